@@ -1,0 +1,236 @@
+"""Model configuration: one frozen dataclass whose field names mirror HF `Glm4MoeConfig`.
+
+Library code takes a `ModelConfig`, never an ml_collections ConfigDict: the command-line
+config files in `configs/` are converted once, at the edge (`model_config_from_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any, Mapping
+
+_DTYPES = ("float32", "bfloat16", "float16", "float64")
+_ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
+_REMAT = ("none", "full", "save_matmuls")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """GLM-4.5-family architecture. Defaults are GLM-4.5 (355B-A32B), spec §1.1.
+
+    The first block of fields carries HF `Glm4MoeConfig` names so `config.json` maps 1:1.
+    The second block is runtime choices that HF does not have.
+    """
+
+    # --- HF Glm4MoeConfig fields --------------------------------------------------------
+    vocab_size: int = 151552
+    hidden_size: int = 5120
+    intermediate_size: int = 12288
+    moe_intermediate_size: int = 1536
+    num_hidden_layers: int = 92
+    num_attention_heads: int = 96
+    num_key_value_heads: int = 8
+    head_dim: int = 128  # explicit: NOT hidden_size // num_attention_heads (spec §1.3)
+    partial_rotary_factor: float = 0.5
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-5
+    attention_bias: bool = True
+    use_qk_norm: bool = True
+    first_k_dense_replace: int = 3
+    n_routed_experts: int = 160
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 8
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    num_nextn_predict_layers: int = 1
+    max_position_embeddings: int = 131072
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    hidden_act: str = "silu"
+    pad_token_id: int | None = 151329
+    eos_token_id: tuple[int, ...] = (151329, 151336, 151338)
+
+    # --- runtime (not part of the HF config) ---------------------------------------------
+    dtype: str = "float32"  # compute dtype of activations and matmuls
+    param_dtype: str = "float32"  # master weights
+    attention_impl: str = "xla"  # xla | dot_product (jax.nn.dot_product_attention) | cudnn
+    # 0 = exact dropless routing; > 0 = per-expert capacity ceil(cf * tokens * k / E).
+    moe_capacity_factor: float = 0.0
+    remat: str = "none"  # none | full | save_matmuls
+
+    def __post_init__(self):
+        def bad(field: str, why: str):
+            raise ValueError(f"ModelConfig.{field}: {why}")
+
+        if self.num_attention_heads % self.num_key_value_heads:
+            bad("num_key_value_heads", f"{self.num_key_value_heads} must divide num_attention_heads="
+                f"{self.num_attention_heads} (GQA groups)")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            bad("partial_rotary_factor", f"head_dim*factor={self.head_dim * self.partial_rotary_factor} "
+                "must be an even number of dims in (0, head_dim]")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            bad("first_k_dense_replace", f"must be in [0, num_hidden_layers={self.num_hidden_layers}]")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            bad("num_experts_per_tok", f"{self.num_experts_per_tok} > n_routed_experts={self.n_routed_experts}")
+        if self.n_routed_experts % self.n_group:
+            bad("n_group", f"{self.n_group} must divide n_routed_experts={self.n_routed_experts}")
+        if not 1 <= self.topk_group <= self.n_group:
+            bad("topk_group", f"must be in [1, n_group={self.n_group}]")
+        if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
+            bad("n_group", "group-limited routing scores each group by its top-2 experts; need >= 2 per group")
+        if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
+            bad("num_experts_per_tok", "more experts per token than the kept groups hold")
+        if self.num_nextn_predict_layers not in (0, 1):
+            bad("num_nextn_predict_layers", "GLM-4.5/4.6 use exactly one MTP layer; 0 or 1 are supported")
+        if self.hidden_act != "silu":
+            bad("hidden_act", f"{self.hidden_act!r} is not GLM's; only 'silu' is implemented")
+        if self.tie_word_embeddings:
+            bad("tie_word_embeddings", "GLM-4.5/4.6 have an untied lm_head; tied embeddings are not supported")
+        for f in ("dtype", "param_dtype"):
+            if getattr(self, f) not in _DTYPES:
+                bad(f, f"{getattr(self, f)!r} not in {_DTYPES}")
+        if self.attention_impl not in _ATTENTION_IMPLS:
+            bad("attention_impl", f"{self.attention_impl!r} not in {_ATTENTION_IMPLS}")
+        if self.remat not in _REMAT:
+            bad("remat", f"{self.remat!r} not in {_REMAT}")
+        if self.moe_capacity_factor < 0:
+            bad("moe_capacity_factor", "must be >= 0 (0 means dropless)")
+
+    # Derived sizes used throughout the model.
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.first_k_dense_replace
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_hidden_layers - self.first_k_dense_replace
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.n_shared_experts
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# --- presets ------------------------------------------------------------------------------
+
+GLM45 = ModelConfig()
+GLM46 = GLM45.replace(max_position_embeddings=202752)
+GLM45_AIR = GLM45.replace(
+    hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=46,
+    first_k_dense_replace=1, n_routed_experts=128, routed_scaling_factor=1.0, use_qk_norm=False)
+# ~1.5B total / ~0.3B active, GLM-shaped (heads*head_dim > hidden, GQA, partial RoPE, QK-norm,
+# sigmoid top-8 routing, shared expert, MTP): fits one GPU for kernel and step benchmarks.
+SMALL = GLM45.replace(
+    hidden_size=1024, intermediate_size=3072, moe_intermediate_size=512, num_hidden_layers=12,
+    first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=4, n_routed_experts=64,
+    max_position_embeddings=32768, dtype="bfloat16")
+# CPU debugging size: a step takes milliseconds, every feature is still exercised
+# (group-limited routing included, so n_group=2).
+TINY = GLM45.replace(
+    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+    first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, rope_theta=10_000.0,
+    max_position_embeddings=2048, pad_token_id=0, eos_token_id=(1,))
+
+PRESETS: dict[str, ModelConfig] = {
+    "glm45": GLM45, "glm46": GLM46, "glm45_air": GLM45_AIR, "small": SMALL, "tiny": TINY}
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+def model_config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
+    """Build a ModelConfig from a (ConfigDict-like) mapping; `preset` picks the base."""
+    d = dict(d)
+    base = get_preset(d.pop("preset", "tiny"))
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+        raise ValueError(f"config.model has unknown fields {unknown}; valid fields: {sorted(fields)}")
+    if "eos_token_id" in d:
+        d["eos_token_id"] = _as_tuple(d["eos_token_id"])
+    return base.replace(**d)
+
+
+# --- HF config.json interop -------------------------------------------------------------------
+
+_RUNTIME_FIELDS = ("dtype", "param_dtype", "attention_impl", "moe_capacity_factor", "remat")
+_HF_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in _RUNTIME_FIELDS)
+_HF_ALIASES = {"num_mtp_layers": "num_nextn_predict_layers", "num_local_experts": "n_routed_experts"}
+
+
+def _as_tuple(x) -> tuple[int, ...]:
+    if x is None:
+        return ()
+    return tuple(int(v) for v in x) if isinstance(x, (list, tuple)) else (int(x),)
+
+
+def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any], **runtime: Any) -> ModelConfig:
+    """Read an HF `config.json` (a file, its directory, or the parsed dict).
+
+    Handles transformers-5 `rope_parameters` nesting and the MTP / expert-count aliases.
+    `runtime` sets the non-HF fields (dtype, attention_impl, ...).
+    """
+    if isinstance(path_or_dict, Mapping):
+        d, where = dict(path_or_dict), "config dict"
+    else:
+        where = os.fspath(path_or_dict)
+        if os.path.isdir(where):
+            where = os.path.join(where, "config.json")
+        if not os.path.exists(where):
+            raise FileNotFoundError(f"{where}: no HF config.json here")
+        with open(where) as f:
+            d = json.load(f)
+    if d.get("model_type", "glm4_moe") != "glm4_moe":
+        raise ValueError(f"{where}: model_type={d['model_type']!r}, expected 'glm4_moe'")
+    for alias, name in _HF_ALIASES.items():
+        if alias in d and name not in d:
+            d[name] = d[alias]
+    rope = d.get("rope_parameters") or {}
+    rope_scaling = d.get("rope_scaling")
+    rope_type = rope.get("rope_type", (rope_scaling or {}).get("rope_type", "default"))
+    if rope_type != "default" or (rope_scaling and rope_scaling.get("type", "default") != "default"):
+        raise ValueError(f"{where}: rope type {rope_type!r} / rope_scaling={rope_scaling} not supported "
+                         "(GLM-4.5/4.6 use plain RoPE)")
+    kw: dict[str, Any] = {}
+    for name in _HF_FIELDS:
+        if name in d and d[name] is not None:
+            kw[name] = d[name]
+    for name in ("rope_theta", "partial_rotary_factor"):
+        if name not in kw and name in rope:
+            kw[name] = rope[name]
+    # HF's own fallbacks when a field is absent (spec §1.3): mirror them, but say so loudly
+    # because they are wrong for the released checkpoints.
+    if "head_dim" not in kw:
+        kw["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        logging.warning("%s: no head_dim; using hidden_size // num_attention_heads = %d as HF does",
+                        where, kw["head_dim"])
+    kw.setdefault("partial_rotary_factor", 0.5)
+    kw.setdefault("rope_theta", 10000.0)
+    if "eos_token_id" in kw:
+        kw["eos_token_id"] = _as_tuple(kw["eos_token_id"])
+    return ModelConfig(**kw, **runtime)
+
+
+def to_hf_config(cfg: ModelConfig, torch_dtype: str = "bfloat16") -> dict[str, Any]:
+    """config.json contents in the released checkpoints' format (top-level rope fields)."""
+    d: dict[str, Any] = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe"}
+    for name in _HF_FIELDS:
+        d[name] = getattr(cfg, name)
+    d["eos_token_id"] = list(cfg.eos_token_id)
+    d.update(attention_dropout=0.0, rope_scaling=None, use_cache=True, torch_dtype=torch_dtype)
+    return d

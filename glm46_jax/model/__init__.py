@@ -1,0 +1,59 @@
+"""The GLM-MoE model: NNX modules split once into pytrees, then used functionally.
+
+    graphdef, params, buffers = init_model(cfg, mesh, seed)
+    out = apply(graphdef, params, buffers, tokens)   # pure; jit it
+
+`params` (nnx.Param leaves) is what gradients and the optimizer see; `buffers` holds the
+`e_score_correction_bias` of every MoE layer, changed only by the loss-free balancing rule.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jaxtyping import Array, Int
+
+from glm46_jax import sharding
+from glm46_jax.config import ModelConfig
+from glm46_jax.model.layers import ExpertBias
+from glm46_jax.model.transformer import GLMMoE, ModelOutput
+
+__all__ = ["GLMMoE", "ModelOutput", "ExpertBias", "init_model", "abstract_model", "apply", "merge"]
+
+
+def init_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None,
+               seed: int = 0) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """Random init (HF `_init_weights` scheme), every array created directly in its final sharding.
+
+    Construction runs inside `jax.jit`, so no device ever holds a full replica of a sharded weight.
+    """
+    mesh = mesh or sharding.make_mesh({"data": 1}, jax.devices()[:1])
+    with sharding.use_mesh(mesh):
+        graphdef, _, _ = abstract_model(cfg, mesh)
+
+        @jax.jit
+        def make():
+            _, params, buffers = nnx.split(GLMMoE(cfg, rngs=nnx.Rngs(seed)), nnx.Param, ExpertBias)
+            return params, buffers
+
+        params, buffers = make()
+    return graphdef, params, buffers
+
+
+def abstract_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh):
+    """(graphdef, params, buffers) as ShapeDtypeStructs with shardings; nothing allocated."""
+    use = jax.sharding.use_abstract_mesh(mesh) if isinstance(mesh, jax.sharding.AbstractMesh) else jax.set_mesh(mesh)
+    with use, nnx.logical_axis_rules(sharding.LOGICAL_RULES):
+        model = nnx.eval_shape(lambda: GLMMoE(cfg, rngs=nnx.Rngs(0)))
+        return nnx.split(model, nnx.Param, ExpertBias)
+
+
+def merge(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State) -> GLMMoE:
+    return nnx.merge(graphdef, params, buffers)
+
+
+def apply(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, tokens: Int[Array, "b s"],
+          positions: Int[Array, "b s"] | None = None, segment_ids: Int[Array, "b s"] | None = None,
+          *, with_mtp: bool = True) -> ModelOutput:
+    """The pure forward pass: logits, final hidden state, MTP logits and router statistics."""
+    return merge(graphdef, params, buffers)(tokens, positions, segment_ids, with_mtp=with_mtp)

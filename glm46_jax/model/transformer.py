@@ -1,0 +1,137 @@
+"""Decoder layers, the scanned layer stacks, the MTP layer and the full GLM-MoE causal LM."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jaxtyping import Array, Float, Int
+
+from glm46_jax.config import ModelConfig
+from glm46_jax.model.attention import Attention, attention_mask
+from glm46_jax.model.layers import MLP, RMSNorm, param, rope_cos_sin
+from glm46_jax.model.moe import MoE
+from glm46_jax.sharding import logical, weight
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + Attn(norm(x)), then x + FFN(norm(x)); FFN is a dense MLP or the MoE."""
+
+    def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg)
+        self.self_attn = Attention(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg)
+        self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, cfg.intermediate_size, rngs=rngs)
+
+    def __call__(self, x, cos, sin, mask) -> tuple[Array, dict[str, Array]]:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoE):
+            y, aux = self.mlp(h)
+        else:
+            y, aux = self.mlp(h), {}
+        return x + y, aux
+
+
+def _stack(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs) -> DecoderLayer:
+    """n layers with parameters stacked on a leading "layers" axis, for lax.scan."""
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs):
+        return DecoderLayer(cfg, moe, rngs=rngs)
+
+    return make(rngs)
+
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing, recompute the whole layer
+    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _run_stack(stack: DecoderLayer, x, cos, sin, mask, cfg: ModelConfig):
+    """lax.scan over the stacked layers: compile time stays flat in depth."""
+    graphdef, state = nnx.split(stack)
+
+    def body(x, layer_state):
+        return nnx.merge(graphdef, layer_state)(x, cos, sin, mask)
+
+    if cfg.remat != "none":
+        body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    return jax.lax.scan(body, x, state)
+
+
+class MTPLayer(nnx.Module):
+    """Multi-token prediction, depth 1 (spec §4.1): row t sees embed(x[t+1]) and h[t], predicts x[t+2].
+
+    Embedding and output head are the main model's (shared), as in GLM-4.6 / DeepSeek-V3.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        self.enorm = RMSNorm(d, cfg)
+        self.hnorm = RMSNorm(d, cfg)
+        self.eh_proj = param(rngs, (2 * d, d), ("eh_in", "embed"), cfg)  # input = [emb ‖ hidden]
+        self.block = DecoderLayer(cfg, moe=True, rngs=rngs)
+        self.shared_head_norm = RMSNorm(d, cfg)
+
+    def __call__(self, h_final, next_emb, cos, sin, mask) -> tuple[Array, dict[str, Array]]:
+        z = jnp.concatenate([self.enorm(next_emb), self.hnorm(h_final)], axis=-1)
+        z = jnp.einsum("bsi,id->bsd", z, weight(self.eh_proj, z.dtype))
+        z, aux = self.block(z, cos, sin, mask)
+        return self.shared_head_norm(z), aux
+
+
+@struct.dataclass
+class ModelOutput:
+    logits: Float[Array, "b s v"]
+    hidden: Float[Array, "b s d"]  # final-normed hidden state (what the MTP layer consumes)
+    mtp_logits: Float[Array, "b s v"] | None  # row t predicts token t+2; the last row has no target
+    aux: dict[str, Any]  # per-MoE-layer router statistics, stacked [num_moe_layers (+1 for MTP), ...]
+
+
+class GLMMoE(nnx.Module):
+    """`Glm4MoeForCausalLM` (+ its MTP layer) as an NNX module."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg)
+        self.dense_layers = _stack(cfg, False, cfg.num_dense_layers, rngs) if cfg.num_dense_layers else None
+        self.moe_layers = _stack(cfg, True, cfg.num_moe_layers, rngs) if cfg.num_moe_layers else None
+        self.norm = RMSNorm(cfg.hidden_size, cfg)
+        self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg)
+        self.mtp = MTPLayer(cfg, rngs=rngs) if cfg.num_nextn_predict_layers else None
+
+    def __call__(self, tokens: Int[Array, "b s"], positions: Int[Array, "b s"] | None = None,
+                 segment_ids: Int[Array, "b s"] | None = None, *, with_mtp: bool = True) -> ModelOutput:
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        b, s = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        cos, sin = rope_cos_sin(positions, cfg, dt)  # shared by every layer (and the MTP layer)
+        mask = attention_mask(segment_ids, s)
+        embed = weight(self.embed_tokens)
+        act = logical("batch", "seq", "act_embed")
+
+        x = embed.at[tokens].get(out_sharding=act).astype(dt)
+        aux: dict[str, Any] = {}
+        if self.dense_layers is not None:
+            x, _ = _run_stack(self.dense_layers, x, cos, sin, mask, cfg)
+        if self.moe_layers is not None:
+            x, aux = _run_stack(self.moe_layers, x, cos, sin, mask, cfg)
+        hidden = self.norm(x)
+        head = weight(self.lm_head, dt)
+        logits = jnp.einsum("bsd,dv->bsv", hidden, head)
+
+        mtp_logits = None
+        if with_mtp and self.mtp is not None:
+            # Shift by one inside the row; the wrapped last row is never a valid target.
+            next_emb = embed.at[jnp.roll(tokens, -1, axis=1)].get(out_sharding=act).astype(dt)
+            z, mtp_aux = self.mtp(hidden, next_emb, cos, sin, mask)
+            mtp_logits = jnp.einsum("bsd,dv->bsv", z, head)
+            aux = {"mtp": mtp_aux, **aux}
+        return ModelOutput(logits=logits, hidden=hidden, mtp_logits=mtp_logits, aux=aux)

@@ -1,0 +1,99 @@
+"""The device mesh and the one table of logical-axis rules.
+
+Model code names array axes logically ("embed", "heads", "exp", ...); only this module knows
+which mesh axis (data, tensor, expert, pipeline) each logical name lands on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator, Mapping, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import AxisType, PartitionSpec
+
+MESH_AXES = ("data", "tensor", "expert", "pipeline")
+
+# logical name -> mesh axis (or tuple of axes, or None = replicated).
+# Parameters are FSDP-sharded over `data` through their "embed" dimension (ZeRO-3 style).
+LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "expert")),
+    ("seq", None),
+    ("act_embed", None),
+    ("layers", None),
+    ("vocab", "tensor"),
+    ("embed", "data"),
+    ("embed_moe", "data"),
+    ("eh_in", None),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("exp", "expert"),
+    ("mlp_moe", "tensor"),
+    ("router_exp", None),
+    ("norm", None),
+)
+
+
+def make_mesh(shape: Mapping[str, int] | None = None, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+    """A mesh over (data, tensor, expert, pipeline); one axis may be -1 to take the remaining devices."""
+    devices = list(devices if devices is not None else jax.devices())
+    shape = dict(shape or {"data": -1})
+    unknown = sorted(set(shape) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"mesh axes {unknown} unknown; valid axes are {MESH_AXES}")
+    sizes = [int(shape.get(a, 1)) for a in MESH_AXES]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"mesh {shape}: only one axis may be -1")
+    if -1 in sizes:
+        rest = math.prod(s for s in sizes if s != -1)
+        if len(devices) % rest:
+            raise ValueError(f"mesh {shape}: fixed axes multiply to {rest}, which does not divide "
+                             f"the {len(devices)} devices")
+        sizes[sizes.index(-1)] = len(devices) // rest
+    if math.prod(sizes) != len(devices):
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices but "
+                         f"{len(devices)} are available; make the axis sizes multiply to {len(devices)}")
+    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Explicit,) * 4, devices=devices)
+
+
+# Weights are stored FSDP-sharded over `data` but used gathered: these logical names are
+# replicated in the compute layout (the all-gather XLA inserts is the ZeRO-3 parameter gather).
+_FSDP_NAMES = frozenset({"embed", "embed_moe"})
+
+
+def logical(*names: str | None) -> PartitionSpec:
+    """PartitionSpec for an array whose axes have these logical names."""
+    rules = dict(LOGICAL_RULES)
+    return PartitionSpec(*(rules.get(n) if n is not None else None for n in names))
+
+
+def mesh_axes(name: str) -> tuple[str, ...]:
+    """The mesh axes a logical name is sharded over (for collectives inside shard_map)."""
+    axes = dict(LOGICAL_RULES).get(name)
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def weight(p: nnx.Variable, dtype=None) -> jax.Array:
+    """A parameter in its compute layout: FSDP axes gathered, tensor/expert axes kept."""
+    value = p[...]
+    # Layers stacked for lax.scan keep the stack's ("layers", ...) names on each slice.
+    names = tuple(p.get_metadata().get("out_sharding", ()))[-value.ndim:] if value.ndim else ()
+    if names and any(n in _FSDP_NAMES for n in names):
+        value = jax.sharding.reshard(value, logical(*(None if n in _FSDP_NAMES else n for n in names)))
+    return value if dtype is None else value.astype(dtype)
+
+
+def constrain(x: jax.Array, *names: str | None) -> jax.Array:
+    """Pin an activation's layout at a block boundary (Explicit mode: a real reshard)."""
+    return jax.sharding.reshard(x, logical(*names))
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: jax.sharding.Mesh) -> Iterator[jax.sharding.Mesh]:
+    """Context in which NNX modules are created and the model runs: mesh + logical rules."""
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(LOGICAL_RULES):
+        yield mesh

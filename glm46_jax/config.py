@@ -208,7 +208,7 @@ def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any], **runtim
                          "(GLM-4.5/4.6 use plain RoPE)")
     kw: dict[str, Any] = {}
     for name in _HF_FIELDS:
-        if name in d and d[name] is not None:
+        if name in d and (d[name] is not None or name in ("pad_token_id", "eos_token_id")):
             kw[name] = d[name]
     for name in ("rope_theta", "partial_rotary_factor"):
         if name not in kw and name in rope:

@@ -138,13 +138,14 @@ def _layer_leaves(cfg: ModelConfig, ours: tuple[str, ...], hf: Callable[[int], s
         def read(*ix, proj=proj, shape=shape):
             layer, expert = (ix[0], ix[1]) if n else (0, ix[0])
             prefix = hf(layer) + "mlp.experts."
-            if rd.has(f"{prefix}{expert}.{proj}.weight"):
-                return rd.get(f"{prefix}{expert}.{proj}.weight", shape).T
             # transformers >= 5 fused names: gate_up_proj [E, 2F, D] (gate first), down_proj [E, D, F].
+            fused = prefix + ("down_proj" if proj == "down_proj" else "gate_up_proj")
+            if not rd.has(fused):  # the released per-expert layout (the error names this one)
+                return rd.get(f"{prefix}{expert}.{proj}.weight", shape).T
             if proj == "down_proj":
-                return rd.get(prefix + "down_proj", (e, d, f))[expert].T
-            fused = rd.get(prefix + "gate_up_proj", (e, 2 * f, d))[expert]
-            return (fused[:f] if proj == "gate_proj" else fused[f:]).T
+                return rd.get(fused, (e, d, f))[expert].T
+            gate_up = rd.get(fused, (e, 2 * f, d))[expert]
+            return (gate_up[:f] if proj == "gate_proj" else gate_up[f:]).T
 
         def write(*ix_and_block, proj=proj):
             *ix, block = ix_and_block

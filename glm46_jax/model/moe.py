@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from glm46_jax.config import ModelConfig
 from glm46_jax.model.layers import MLP, ExpertBias, param
-from glm46_jax.sharding import logical, mesh_axes, weight
+from glm46_jax.sharding import constrain, logical, mesh_axes, weight
 
 
 def route(x: Float[Array, "n d"], w_router_de: Array, bias_e: Array,
@@ -105,8 +105,9 @@ def dispatch(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float[Arra
         load = jnp.bincount(idx.reshape(-1), length=cfg.n_routed_experts)
         return y, jax.lax.pmean(dropped, batch_axes), jax.lax.psum(load, batch_axes)
 
+    tokens = [jax.sharding.reshard(a, tok) for a in (x, idx, weights)]
     replicated = [jax.sharding.reshard(w, rep) for w in (w_gate_edf, w_up_edf, w_down_efd)]
-    return local(x, idx, weights, *replicated)
+    return local(*tokens, *replicated)
 
 
 class MoE(nnx.Module):
@@ -129,7 +130,8 @@ class MoE(nnx.Module):
         idx, weights, scores = route(x_nd, weight(self.router), self.e_score_correction_bias[...], cfg)
         routed, dropped, load = dispatch(
             x_nd, idx, weights, weight(self.gate_proj), weight(self.up_proj), weight(self.down_proj), cfg)
-        y = routed.reshape(b, s, d) + self.shared_experts(x)
+        # Pin the layout: with a batch of 1 the reshape would otherwise move the token sharding to seq.
+        y = constrain(routed.reshape(b, s, d), "batch", "seq", "act_embed") + self.shared_experts(x)
         aux = {
             "expert_load": load,  # global top-k counts
             "dropped_frac": dropped,

@@ -1,0 +1,74 @@
+# glm46_jax developer entry points.
+#
+#   make venv       create .venv (Python >= 3.12) and install the package with the dev extras
+#   make test       run the test suite (pass extra pytest flags with PYTEST_ARGS="-k router -x")
+#   make train      tiny GLM-MoE pre-training on CPU (extra flags with ARGS="--config.train.steps=50")
+#   make fixtures   regenerate tests/fixtures/hf_* with HF transformers in a separate Python 3.11 .venv-hf
+#                   (optional: the fixtures are committed, so CI and `make test` never need this)
+#   make clean      remove .venv, .venv-hf and runs/
+#
+# The interpreter is found by .ci/find_python.sh; override it with `make PYTHON=/path/to/python3.12 test`
+# (and PYTHON_HF=/path/to/python3.11 for `make fixtures`).
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := test
+
+VENV        := .venv
+VENV_HF     := .venv-hf
+PY          := $(VENV)/bin/python
+PY_HF       := $(VENV_HF)/bin/python
+PYTHON      ?=
+PYTHON_HF   ?=
+PYTEST_ARGS ?=
+ARGS        ?=
+# torch/transformers for the fixture generator (tests/fixtures/make_hf_fixtures.py was run with these).
+# HF_PIP_ARGS can add e.g. "--index-url https://download.pytorch.org/whl/cpu" to avoid the CUDA torch wheels.
+HF_PKGS     ?= torch==2.13.0 transformers==5.23.0 safetensors numpy
+HF_PIP_ARGS ?=
+
+.PHONY: venv test train fixtures clean
+
+venv: $(VENV)/.installed
+
+# Rebuilt only when pyproject.toml changes. The interpreter is looked up only when .venv is missing or is not on
+# Python >= 3.12 (then it is recreated); to switch an existing .venv to another Python, `make clean` first.
+$(VENV)/.installed: pyproject.toml
+	@if [ -x $(PY) ] && ! $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then \
+	  echo "$(VENV) is not on Python >= 3.12; recreating it"; rm -rf $(VENV); \
+	fi; \
+	if [ ! -x $(PY) ]; then \
+	  py="$(PYTHON)"; \
+	  if [ -z "$$py" ]; then py="$$(.ci/find_python.sh 3.12)"; fi; \
+	  if ! "$$py" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then \
+	    echo "error: PYTHON=$$py is not a working Python >= 3.12 (jax 0.12 needs it)." >&2; exit 1; \
+	  fi; \
+	  echo "creating $(VENV) with $$py ($$("$$py" -V 2>&1))"; \
+	  "$$py" -m venv $(VENV) || { rm -rf $(VENV); \
+	    echo "error: '$$py -m venv' failed (Debian/Ubuntu: apt-get install python3.X-venv)" >&2; exit 1; }; \
+	fi
+	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -c 'import sys; assert sys.version_info >= (3, 12), sys.version; print("$(VENV):", sys.version.split()[0])'
+	@touch $@
+
+test: $(VENV)/.installed
+	@TIMEFORMAT='suite time: %1Rs'; time $(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+train: $(VENV)/.installed
+	$(PY) -m glm46_jax.train --config=configs/pretrain.py:tiny $(ARGS)
+
+fixtures: $(VENV_HF)/.installed
+	$(PY_HF) tests/fixtures/make_hf_fixtures.py --out tests/fixtures
+
+$(VENV_HF)/.installed:
+	@py="$(PYTHON_HF)"; \
+	if [ -z "$$py" ]; then py="$$(.ci/find_python.sh 3.11 3.11 PYTHON_HF)"; fi; \
+	echo "creating $(VENV_HF) with $$py ($$("$$py" -V 2>&1))"; \
+	rm -rf $(VENV_HF); "$$py" -m venv $(VENV_HF)
+	$(PY_HF) -m pip install -q -U pip
+	$(PY_HF) -m pip install -q $(HF_PIP_ARGS) $(HF_PKGS)
+	@touch $@
+
+clean:
+	rm -rf $(VENV) $(VENV_HF) runs/

@@ -1,0 +1,23 @@
+"""Test-wide setup: 8 virtual CPU devices, set before anything imports jax."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+# XLA on CPU compiles slowly (a model init is ~15 s): reuse compiled programs across local runs.
+jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/glm46_jax/xla"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+from glm46_jax import sharding  # noqa: E402
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+@pytest.fixture(scope="session")
+def mesh1():
+    """A one-device mesh: the single-device reference every sharded run is compared against."""
+    return sharding.make_mesh({"data": 1}, jax.devices()[:1])

@@ -20,17 +20,28 @@ from glm46_jax.model import apply
 Batch = dict[str, Array]
 
 
+def _laid_out_like(x: Array, ref: Array) -> Array:
+    """`x` resharded to `ref`'s layout (a no-op outside a mesh): labels and masks often arrive
+    replicated or on another layout than the logits, and Explicit mode does not guess."""
+    layout = jax.typeof(ref).sharding
+    return x if layout.mesh.empty else jax.sharding.reshard(x, layout)
+
+
+def token_nll(logits: Float[Array, "b s v"], labels: Int[Array, "b s"]) -> Float[Array, "b s"]:
+    """-log softmax(logits)[label] per position, in fp32, without gathering along vocab."""
+    logits = logits.astype(jnp.float32)
+    layout = jax.typeof(logits).sharding
+    if not layout.mesh.empty:
+        labels = jax.sharding.reshard(labels, layout.update(spec=jax.P(*layout.spec[:-1])))
+    one_hot = jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.float32, out_sharding=layout)
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(logits * one_hot, axis=-1)
+
+
 def cross_entropy(logits: Float[Array, "b s v"], labels: Int[Array, "b s"],
                   mask: Array) -> tuple[Float[Array, ""], Float[Array, ""]]:
     """Mean token cross-entropy (nats) over `mask`, in fp32; returns (mean, number of tokens)."""
-    logits = logits.astype(jnp.float32)
-    layout = jax.typeof(logits).sharding
-    if not layout.mesh.empty:  # labels and mask must share the logits' batch/seq layout
-        row_layout = layout.update(spec=jax.P(*layout.spec[:-1]))
-        labels, mask = jax.sharding.reshard(labels, row_layout), jax.sharding.reshard(mask, row_layout)
-    one_hot = jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.float32, out_sharding=layout)
-    nll = jax.nn.logsumexp(logits, axis=-1) - jnp.sum(logits * one_hot, axis=-1)
-    mask = mask.astype(jnp.float32)
+    nll = token_nll(logits, labels)
+    mask = _laid_out_like(mask, nll).astype(jnp.float32)
     tokens = mask.sum()
     return jnp.sum(nll * mask) / jnp.maximum(tokens, 1.0), tokens
 

@@ -35,13 +35,9 @@ def lr_schedule(cfg: OptimConfig) -> optax.Schedule:
 
 def _is_decayed(path, _) -> bool:
     # Decay matrices only. Norm weights and biases are stacked per layer in the scanned blocks
-    # ([layers, d]), so `ndim >= 2` cannot tell them apart: go by name instead.
-    name = str(getattr(path[-1], "key", path[-1])) if path else ""
-    for key in path:
-        k = str(getattr(key, "key", key))
-        if k.endswith("norm") or k.endswith("_bias"):
-            return False
-    return name not in ("bias",)
+    # ([layers, d]), so `ndim >= 2` cannot tell them apart: go by name (`*norm`, `*_bias`).
+    names = [str(getattr(key, "key", "")) for key in path]
+    return not any(n.endswith(("norm", "_bias")) for n in names)
 
 
 def weight_decay_mask(params: nnx.State):

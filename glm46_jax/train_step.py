@@ -10,7 +10,8 @@ inside `loss_fn`, rebuilt from the graphdef on every trace.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +29,6 @@ class TrainState:
     params: nnx.State  # nnx.Param leaves: differentiated and optimised
     buffers: nnx.State  # e_score_correction_bias: carried along, not trained (balancing comes later)
     opt_state: optax.OptState
-
-
-def _shardings(tree):
-    return jax.tree.map(lambda x: jax.typeof(x).sharding, tree)
 
 
 def init_state(params: nnx.State, buffers: nnx.State, tx: optax.GradientTransformation) -> TrainState:
@@ -60,13 +57,11 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cf
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
         (_, metrics), grads = grad_fn(state.params, state.buffers, batch, graphdef, cfg, mtp_weight=mtp_weight)
-        # optax's tree ops (global norm, moments) mix replicated and sharded leaves; running the
-        # update in Auto mode and pinning its outputs to the inputs' layouts sidesteps Explicit-mode
-        # sharding-rule errors (STYLE B2) without changing any layout.
-        update = jax.sharding.auto_axes(tx.update, out_sharding=(_shardings(grads), _shardings(state.opt_state)))
-        updates, opt_state = update(grads, state.opt_state, state.params)
+        # AdamW is elementwise, so it runs in Explicit mode as is and every moment keeps its
+        # parameter's layout. (Muon's X @ X.T will need `jax.sharding.auto_axes`, STYLE B2.)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {**metrics, "grad_norm": optax.global_norm(grads), "update_norm": optax.global_norm(updates)}
+        metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "update_norm": optax.tree.norm(updates)}
         if lr_schedule is not None:
             metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)

@@ -27,13 +27,13 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from glm46_jax.config import ModelConfig, model_config_from_dict
+from glm46_jax.config import RUNTIME_FIELDS, ModelConfig, model_config_from_dict
 from glm46_jax.model import abstract_model
 
 MODEL_CONFIG = "model_config.json"
 STATE = "state"
-# Fields that change how the model runs, not what it is; everything else must match the weights.
-RUNTIME_FIELDS = ("dtype", "attention_impl", "moe_capacity_factor", "remat")
+# How the model runs may change at load time; what it is (param_dtype included) comes from the weights.
+_OVERRIDABLE = tuple(f for f in RUNTIME_FIELDS if f != "param_dtype")
 
 
 @contextlib.contextmanager
@@ -86,16 +86,13 @@ def load_params(path: str | os.PathLike, mesh: jax.sharding.Mesh, **runtime: Any
     step_dir = os.path.abspath(latest_checkpoint(path))
     with open(os.path.join(step_dir, MODEL_CONFIG)) as f:
         cfg = model_config_from_dict(json.load(f))
-    unknown = sorted(set(runtime) - set(RUNTIME_FIELDS))
+    unknown = sorted(set(runtime) - set(_OVERRIDABLE))
     if unknown:
-        raise ValueError(f"load_params: {unknown} are not runtime fields {RUNTIME_FIELDS}; the architecture "
+        raise ValueError(f"load_params: {unknown} are not runtime fields {_OVERRIDABLE}; the architecture "
                          "comes from the checkpoint")
     cfg = cfg.replace(**runtime)
     graphdef, abstract_params, abstract_buffers = abstract_model(cfg, mesh)
-    # eval_shape leaves carry shardings on the *abstract* mesh; Orbax needs concrete devices.
-    on_mesh = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.NamedSharding(mesh, x.sharding.spec))
-    target = jax.tree.map(on_mesh, {"params": nnx.to_pure_dict(abstract_params),
-                                    "buffers": nnx.to_pure_dict(abstract_buffers)})
+    target = {"params": nnx.to_pure_dict(abstract_params), "buffers": nnx.to_pure_dict(abstract_buffers)}
     with _quiet_orbax(), ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(os.path.join(step_dir, STATE), target)
     nnx.replace_by_pure_dict(abstract_params, restored["params"])

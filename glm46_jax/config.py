@@ -168,8 +168,9 @@ def model_config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
 
 # --- HF config.json interop -------------------------------------------------------------------
 
-_RUNTIME_FIELDS = ("dtype", "param_dtype", "attention_impl", "moe_capacity_factor", "remat")
-_HF_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in _RUNTIME_FIELDS)
+# The fields HF's config.json does not have: how the model runs, not what it computes.
+RUNTIME_FIELDS = ("dtype", "param_dtype", "attention_impl", "moe_capacity_factor", "remat")
+_HF_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME_FIELDS)
 _HF_ALIASES = {"num_mtp_layers": "num_nextn_predict_layers", "num_local_experts": "n_routed_experts"}
 
 

@@ -213,8 +213,7 @@ def load_hf(hf_dir: str, mesh: jax.sharding.Mesh, cfg: ModelConfig | None = None
                     return blocks[0]
                 return np.stack(blocks).reshape([len(r) for r in lead] + list(blocks[0].shape))
 
-            target = jax.sharding.NamedSharding(mesh, spec.sharding.spec)
-            array = jax.make_array_from_callback(spec.shape, target, callback)
+            array = jax.make_array_from_callback(spec.shape, spec.sharding, callback)
             out.append((tuple(path), var.replace(array)))
         return nnx.from_flat_state(out)
 

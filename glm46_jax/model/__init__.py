@@ -53,11 +53,20 @@ def _jitted_init(cfg: ModelConfig):
 
 
 def abstract_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh):
-    """(graphdef, params, buffers) as ShapeDtypeStructs with shardings; nothing allocated."""
-    use = jax.sharding.use_abstract_mesh(mesh) if isinstance(mesh, jax.sharding.AbstractMesh) else jax.set_mesh(mesh)
-    with use, nnx.logical_axis_rules(sharding.LOGICAL_RULES):
-        model = nnx.eval_shape(lambda: GLMMoE(cfg, rngs=nnx.Rngs(0)))
-        return nnx.split(model, nnx.Param, ExpertBias)
+    """(graphdef, params, buffers) as ShapeDtypeStructs with shardings; nothing allocated.
+
+    With a concrete mesh the shardings name its devices, so the result can be a restore target.
+    """
+    abstract = isinstance(mesh, jax.sharding.AbstractMesh)
+    with (jax.sharding.use_abstract_mesh(mesh) if abstract else jax.set_mesh(mesh)), \
+            nnx.logical_axis_rules(sharding.LOGICAL_RULES):
+        graphdef, params, buffers = nnx.split(nnx.eval_shape(lambda: GLMMoE(cfg, rngs=nnx.Rngs(0))),
+                                              nnx.Param, ExpertBias)
+    if not abstract:  # eval_shape names the abstract mesh; point it at the real devices
+        def on_mesh(x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.NamedSharding(mesh, x.sharding.spec))
+        params, buffers = jax.tree.map(on_mesh, (params, buffers))
+    return graphdef, params, buffers
 
 
 def merge(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State) -> GLMMoE:

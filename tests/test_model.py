@@ -12,7 +12,7 @@ from flax import nnx
 from glm46_jax import sharding
 from glm46_jax.config import TINY
 from glm46_jax.model import apply, init_model
-from glm46_jax.model.moe import grouped_experts
+from glm46_jax.model.experts import grouped_experts
 
 CFG = dataclasses.replace(TINY, vocab_size=128)
 
@@ -86,7 +86,7 @@ def test_capacity_drops_match_hand_count():
     capacity = 3
     y, dropped = grouped_experts(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), wg, wu, wd, capacity)
     # expert 0: 10 assigned, keeps 3 (tokens 0-2); expert 1: 5 -> 3 (tokens 0-2); expert 2: 2; expert 3: 3.
-    assert np.isclose(float(dropped), (7 + 2) / 20)
+    assert int(dropped) == 7 + 2
     silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
     expert = lambda j, t: (silu(x[t] @ wg[j]) * (x[t] @ wu[j])) @ wd[j]  # noqa: E731
     kept = {0: [0, 1, 2], 1: [0, 1, 2], 2: [5, 6], 3: [7, 8, 9]}
@@ -96,7 +96,16 @@ def test_capacity_drops_match_hand_count():
             want[t] += 0.5 * expert(j, t)
     np.testing.assert_allclose(np.asarray(y), want, atol=1e-5)
     y_big, dropped_big = grouped_experts(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), wg, wu, wd, n)
-    assert float(dropped_big) == 0.0
+    assert int(dropped_big) == 0
+    # Expert parallel: a shard holding experts 2..3 computes only their (kept) assignments.
+    y_shard, dropped_shard = grouped_experts(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w),
+                                             wg[2:], wu[2:], wd[2:], capacity, expert_offset=2)
+    want_shard = np.zeros((n, d))
+    for j in (2, 3):
+        for t in kept[j]:
+            want_shard[t] += 0.5 * expert(j, t)
+    np.testing.assert_allclose(np.asarray(y_shard), want_shard, atol=1e-5)
+    assert int(dropped_shard) == 0
 
 
 def _logits(mesh, graphdef, params, buffers, tokens, positions=None, segments=None, **kw):

@@ -1,15 +1,11 @@
 """GLM MoE block: sigmoid router with correction bias, routed experts, shared expert (spec §3.5).
 
-The routed experts run as sort-by-expert + capacity-padded batched einsum. `jax.lax.ragged_dot`
-alone would be simpler, but XLA lowers it to a dense product over every group on CPU and (by
-default) on NVIDIA GPUs: about 90x slower on this CPU for 64 experts (STYLE.md). Capacity
-C = tokens gives exact dropless routing (top-k experts are distinct, so no expert can receive
-more than every token once).
+The routed experts run in one `jax.shard_map` (`dispatch`); inside it every strategy ends in the
+local grouped matmul of `experts.py`.
 """
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import jax
@@ -18,6 +14,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from glm46_jax.config import ModelConfig
+from glm46_jax.model.experts import expert_capacity, grouped_experts
 from glm46_jax.model.layers import MLP, ExpertBias, param
 from glm46_jax.sharding import constrain, logical, mesh_axes, weight
 
@@ -47,47 +44,6 @@ def route(x: Float[Array, "n d"], w_router_de: Array, bias_e: Array,
     return idx, weights * cfg.routed_scaling_factor, scores
 
 
-def expert_capacity(num_tokens: int, cfg: ModelConfig) -> int:
-    if cfg.moe_capacity_factor <= 0:
-        return num_tokens  # dropless
-    per_expert = num_tokens * cfg.num_experts_per_tok / cfg.n_routed_experts
-    return max(1, min(num_tokens, math.ceil(cfg.moe_capacity_factor * per_expert)))
-
-
-def grouped_experts(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float[Array, "n k"],
-                    w_gate_edf: Array, w_up_edf: Array, w_down_efd: Array,
-                    capacity: int) -> tuple[Float[Array, "n d"], Float[Array, ""]]:
-    """Sum_j weights[:, j] * Expert_{idx[:, j]}(x) with per-expert capacity; returns (y, dropped fraction).
-
-    Assignments are sorted by expert (stable, so earlier tokens win when an expert is full),
-    gathered into an [E, C, d] buffer, run through one batched SwiGLU einsum, and gathered back.
-    Everything is a gather, so the backward pass is scatter-adds XLA handles well.
-    """
-    n, k = idx.shape
-    e = w_gate_edf.shape[0]
-    dt = x.dtype
-    flat_e = idx.reshape(-1)
-    order = jnp.argsort(flat_e, stable=True)  # assignment ids grouped by expert
-    counts = jnp.bincount(flat_e, length=e)
-    starts = jnp.cumsum(counts) - counts
-    slot = jnp.arange(capacity)
-    slot_valid = slot[None, :] < counts[:, None]  # [E, C]
-    slot_assign = order[jnp.minimum(starts[:, None] + slot[None, :], n * k - 1)]
-    x_ecd = jnp.where(slot_valid[..., None], x[slot_assign // k], 0).astype(dt)
-
-    gate = jnp.einsum("ecd,edf->ecf", x_ecd, w_gate_edf.astype(dt))
-    up = jnp.einsum("ecd,edf->ecf", x_ecd, w_up_edf.astype(dt))
-    y_ecd = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w_down_efd.astype(dt))
-
-    # Where each assignment landed: its rank among the assignments of its expert.
-    rank = jnp.zeros(n * k, jnp.int32).at[order].set(jnp.arange(n * k, dtype=jnp.int32)) - starts[flat_e]
-    kept = rank < capacity
-    y_a = jnp.where(kept[:, None], y_ecd[flat_e, jnp.minimum(rank, capacity - 1)], 0)
-    # HF combines in fp32 (bf16 expert output x fp32 weight) and casts once at the end.
-    y = jnp.einsum("nkd,nk->nd", y_a.reshape(n, k, -1).astype(jnp.float32), weights.astype(jnp.float32))
-    return y.astype(dt), 1.0 - kept.mean()
-
-
 def dispatch(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float[Array, "n k"],
              w_gate_edf: Array, w_up_edf: Array, w_down_efd: Array,
              cfg: ModelConfig) -> tuple[Float[Array, "n d"], Array, Int[Array, "e"]]:
@@ -103,7 +59,8 @@ def dispatch(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float[Arra
     def local(x, idx, weights, wg, wu, wd):
         y, dropped = grouped_experts(x, idx, weights, wg, wu, wd, expert_capacity(x.shape[0], cfg))
         load = jnp.bincount(idx.reshape(-1), length=cfg.n_routed_experts)
-        return y, jax.lax.pmean(dropped, batch_axes), jax.lax.psum(load, batch_axes)
+        dropped_frac = jax.lax.psum(dropped, batch_axes) / (jax.lax.psum(idx.size, batch_axes))
+        return y, dropped_frac, jax.lax.psum(load, batch_axes)
 
     tokens = [jax.sharding.reshard(a, tok) for a in (x, idx, weights)]
     replicated = [jax.sharding.reshard(w, rep) for w in (w_gate_edf, w_up_edf, w_down_efd)]

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
 _REMAT = ("none", "full", "save_matmuls")
+_MOE_DISPATCH = ("allgather", "alltoall", "ragged_alltoall")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,8 @@ class ModelConfig:
     attention_impl: str = "xla"  # xla | dot_product (jax.nn.dot_product_attention) | cudnn
     # 0 = exact dropless routing; > 0 = per-expert capacity ceil(cf * tokens * k / E).
     moe_capacity_factor: float = 0.0
+    # How tokens reach experts sharded over the `expert` mesh axis (see model/moe.py).
+    moe_dispatch: str = "allgather"  # allgather | alltoall | ragged_alltoall (GPU/TPU only)
     remat: str = "none"  # none | full | save_matmuls
 
     def __post_init__(self):
@@ -96,6 +99,8 @@ class ModelConfig:
                 bad(f, f"{getattr(self, f)!r} not in {_DTYPES}")
         if self.attention_impl not in _ATTENTION_IMPLS:
             bad("attention_impl", f"{self.attention_impl!r} not in {_ATTENTION_IMPLS}")
+        if self.moe_dispatch not in _MOE_DISPATCH:
+            bad("moe_dispatch", f"{self.moe_dispatch!r} not in {_MOE_DISPATCH}")
         if self.remat not in _REMAT:
             bad("remat", f"{self.remat!r} not in {_REMAT}")
         if self.moe_capacity_factor < 0:
@@ -136,10 +141,11 @@ SMALL = GLM45.replace(
     first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=4, n_routed_experts=64,
     max_position_embeddings=32768, dtype="bfloat16")
 # CPU debugging size: a step takes milliseconds, every feature is still exercised
-# (group-limited routing included, so n_group=2).
+# (group-limited routing included, so n_group=2); heads, KV heads, FFNs and experts divide by 4
+# so it shards on every 8-device test mesh.
 TINY = GLM45.replace(
     vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-    first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
     n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, rope_theta=10_000.0,
     max_position_embeddings=2048, pad_token_id=0, eos_token_id=(1,))
 
@@ -169,7 +175,7 @@ def model_config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
 # --- HF config.json interop -------------------------------------------------------------------
 
 # The fields HF's config.json does not have: how the model runs, not what it computes.
-RUNTIME_FIELDS = ("dtype", "param_dtype", "attention_impl", "moe_capacity_factor", "remat")
+RUNTIME_FIELDS = ("dtype", "param_dtype", "attention_impl", "moe_capacity_factor", "moe_dispatch", "remat")
 _HF_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME_FIELDS)
 _HF_ALIASES = {"num_mtp_layers": "num_nextn_predict_layers", "num_local_experts": "n_routed_experts"}
 

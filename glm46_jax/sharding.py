@@ -38,31 +38,66 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-def make_mesh(shape: Mapping[str, int] | None = None, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
-    """A mesh over (data, tensor, expert, pipeline); one axis may be -1 to take the remaining devices."""
+def make_mesh(shape: Mapping[str, int] | None = None, devices: Sequence[jax.Device] | None = None,
+              cfg=None, global_batch: int | None = None) -> jax.sharding.Mesh:
+    """A mesh over (data, tensor, expert, pipeline); one axis may be -1 to take the remaining devices.
+
+    With `cfg` (and `global_batch`) the layout is validated against the model first.
+    """
     devices = list(devices if devices is not None else jax.devices())
-    shape = dict(shape or {"data": -1})
-    unknown = sorted(set(shape) - set(MESH_AXES))
-    if unknown:
-        raise ValueError(f"mesh axes {unknown} unknown; valid axes are {MESH_AXES}")
-    sizes = [int(shape.get(a, 1)) for a in MESH_AXES]
-    if sizes.count(-1) > 1:
-        raise ValueError(f"mesh {shape}: only one axis may be -1")
-    if -1 in sizes:
-        rest = math.prod(s for s in sizes if s != -1)
-        if len(devices) % rest:
-            raise ValueError(f"mesh {shape}: fixed axes multiply to {rest}, which does not divide "
-                             f"the {len(devices)} devices")
-        sizes[sizes.index(-1)] = len(devices) // rest
-    if math.prod(sizes) != len(devices):
-        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices but "
-                         f"{len(devices)} are available; make the axis sizes multiply to {len(devices)}")
-    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Explicit,) * 4, devices=devices)
+    sizes = mesh_shape(shape, len(devices))
+    if cfg is not None:
+        validate_mesh(sizes, cfg, global_batch)
+    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Explicit,) * 4,
+                         devices=devices)
 
 
 # Weights are stored FSDP-sharded over `data` but used gathered: these logical names are
 # replicated in the compute layout (the all-gather XLA inserts is the ZeRO-3 parameter gather).
 _FSDP_NAMES = frozenset({"embed", "embed_moe"})
+
+
+def mesh_shape(shape: Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
+    """Resolve a {axis: size} mapping (one size may be -1 = the remaining devices) over num_devices."""
+    shape = dict(shape or {"data": -1})
+    unknown = sorted(set(shape) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"mesh axes {unknown} unknown; valid axes are {MESH_AXES}")
+    sizes = {a: int(shape.get(a, 1)) for a in MESH_AXES}
+    fill = [a for a, n in sizes.items() if n == -1]
+    if len(fill) > 1:
+        raise ValueError(f"mesh {shape}: only one axis may be -1")
+    if any(n == 0 or n < -1 for n in sizes.values()):
+        raise ValueError(f"mesh {shape}: axis sizes must be positive (or -1 for the rest)")
+    if fill:
+        rest = math.prod(n for n in sizes.values() if n != -1)
+        if num_devices % rest:
+            raise ValueError(f"mesh {shape}: the fixed axes multiply to {rest}, which does not divide "
+                             f"the {num_devices} devices")
+        sizes[fill[0]] = num_devices // rest
+    if math.prod(sizes.values()) != num_devices:
+        raise ValueError(f"mesh {sizes} multiplies to {math.prod(sizes.values())} devices but there are "
+                         f"{num_devices}; make the axis sizes multiply to {num_devices} (or set one to -1)")
+    return sizes
+
+
+def validate_mesh(sizes: Mapping[str, int], cfg, global_batch: int | None = None) -> None:
+    """Clear errors for a mesh the model cannot be laid out on (checked before anything is built)."""
+    def need(dim: int, axes: tuple[str, ...], what: str, fix: str):
+        n = math.prod(sizes.get(a, 1) for a in axes)
+        if dim % n:
+            raise ValueError(f"{what}={dim} is not divisible by the {'x'.join(axes)} mesh size {n}; {fix}")
+
+    tensor, expert = ("tensor",), ("expert",)
+    need(cfg.n_routed_experts, expert, "model.n_routed_experts", "choose an expert axis that divides it")
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
+                  "vocab_size"):
+        need(getattr(cfg, field), tensor, f"model.{field}", "choose a tensor axis that divides it")
+    # Parameters are FSDP-sharded over `data` through their model dimension.
+    need(cfg.hidden_size, ("data",), "model.hidden_size", "choose a data axis that divides it")
+    if global_batch is not None:
+        need(global_batch, mesh_axes("batch"), "train.global_batch",
+             "the batch is split over the data and expert axes; make it a multiple of their product")
 
 
 def logical(*names: str | None) -> PartitionSpec:

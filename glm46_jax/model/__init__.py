@@ -39,7 +39,8 @@ def init_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None,
 
 def _init_key(cfg: ModelConfig) -> ModelConfig:
     # Runtime fields do not change the parameters: share one compiled init between them.
-    return dataclasses.replace(cfg, dtype="float32", attention_impl="xla", remat="none", moe_capacity_factor=0.0)
+    return dataclasses.replace(cfg, dtype="float32", attention_impl="xla", remat="none", moe_capacity_factor=0.0,
+                               moe_dispatch="allgather")
 
 
 @functools.lru_cache(maxsize=16)

@@ -6,6 +6,7 @@ local grouped matmul of `experts.py`.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -47,24 +48,97 @@ def route(x: Float[Array, "n d"], w_router_de: Array, bias_e: Array,
 def dispatch(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float[Array, "n k"],
              w_gate_edf: Array, w_up_edf: Array, w_down_efd: Array,
              cfg: ModelConfig) -> tuple[Float[Array, "n d"], Array, Int[Array, "e"]]:
-    """The routed experts as one shard_map: tokens stay on their batch shard, experts replicated.
+    """The routed experts as one shard_map; returns (output, dropped fraction, global tokens per expert).
 
-    Returns (routed output, dropped fraction, global tokens-per-expert counts).
+    Tokens are sharded over the batch axes (data x expert), experts over `expert`, each expert's
+    FFN over `tensor`. Strategies (`cfg.moe_dispatch`) differ only in how tokens meet experts:
+      allgather  gather the expert group's tokens, run the local experts on all of them, and
+                 reduce-scatter the partial outputs back (simple; reported faster than ragged
+                 all-to-all on GPUs at moderate expert-parallel sizes)
+      alltoall   send each assignment to the shard owning its expert in capacity-sized buffers
+                 with `all_to_all`, compute, send back (communication ~ k x tokens, not E x tokens)
     """
+    if cfg.moe_dispatch == "ragged_alltoall":
+        raise NotImplementedError(  # kept out until it can be tested on a GPU/TPU (no XLA:CPU lowering)
+            "moe_dispatch='ragged_alltoall' is not available in this build; use 'allgather' or 'alltoall'")
     tok = logical("batch", None)
+    exp = logical("exp", None, "mlp_moe")
+    exp_down = logical("exp", "mlp_moe", None)
     batch_axes = mesh_axes("batch")
-    rep = jax.P()
+    local_fn = _allgather if cfg.moe_dispatch == "allgather" else _alltoall
 
-    @partial(jax.shard_map, in_specs=(tok, tok, tok, rep, rep, rep), out_specs=(tok, rep, rep))
+    @partial(jax.shard_map, in_specs=(tok, tok, tok, exp, exp, exp_down), out_specs=(tok, jax.P(), jax.P()))
     def local(x, idx, weights, wg, wu, wd):
-        y, dropped = grouped_experts(x, idx, weights, wg, wu, wd, expert_capacity(x.shape[0], cfg))
-        load = jnp.bincount(idx.reshape(-1), length=cfg.n_routed_experts)
-        dropped_frac = jax.lax.psum(dropped, batch_axes) / (jax.lax.psum(idx.size, batch_axes))
-        return y, dropped_frac, jax.lax.psum(load, batch_axes)
+        y, dropped = local_fn(x, idx, weights, wg, wu, wd, cfg)
+        # FFN hidden is tensor-sharded: every tensor shard holds a partial sum of y.
+        y = jax.lax.psum(y, mesh_axes("mlp_moe")) if mesh_axes("mlp_moe") else y
+        load = jax.lax.psum(jnp.bincount(idx.reshape(-1), length=cfg.n_routed_experts), batch_axes)
+        dropped_frac = jax.lax.psum(dropped, batch_axes) / jax.lax.psum(idx.size, batch_axes)
+        return y.astype(x.dtype), dropped_frac, load
 
     tokens = [jax.sharding.reshard(a, tok) for a in (x, idx, weights)]
-    replicated = [jax.sharding.reshard(w, rep) for w in (w_gate_edf, w_up_edf, w_down_efd)]
-    return local(*tokens, *replicated)
+    experts = [jax.sharding.reshard(w, spec) for w, spec in
+               ((w_gate_edf, exp), (w_up_edf, exp), (w_down_efd, exp_down))]
+    return local(*tokens, *experts)
+
+
+def _expert_group() -> tuple[str, ...]:
+    return mesh_axes("exp")
+
+
+def _first_local_expert(num_local: int):
+    axes = _expert_group()
+    return jax.lax.axis_index(axes) * num_local if axes else 0
+
+
+def _allgather(x, idx, weights, wg, wu, wd, cfg):
+    """All tokens of the expert group visit this shard's experts; partial outputs are reduce-scattered."""
+    axes = _expert_group()
+    if axes:
+        x, idx, weights = (jax.lax.all_gather(a, axes, axis=0, tiled=True) for a in (x, idx, weights))
+    e_local = wg.shape[0]
+    y, dropped = grouped_experts(x, idx, weights, wg, wu, wd, expert_capacity(x.shape[0], cfg),
+                                 expert_offset=_first_local_expert(e_local))
+    if axes:
+        y = jax.lax.psum_scatter(y.astype(jnp.float32), axes, scatter_dimension=0, tiled=True)
+    return y, dropped
+
+
+def _alltoall(x, idx, weights, wg, wu, wd, cfg):
+    """Each (token, expert) assignment travels to its expert's shard in a capacity-sized slot."""
+    axes = _expert_group()
+    n, k = idx.shape
+    e_local = wg.shape[0]
+    shards = cfg.n_routed_experts // e_local
+    dropless = cfg.moe_capacity_factor <= 0
+    # Per destination shard: at most n * min(k, e_local) assignments can arrive (experts are distinct).
+    send_cap = n * min(k, e_local) if dropless else \
+        max(1, min(n * min(k, e_local), math.ceil(cfg.moe_capacity_factor * n * k / shards)))
+    flat_e = idx.reshape(-1)
+    dest = flat_e // e_local
+    order = jnp.argsort(dest, stable=True)  # earlier tokens win a full destination
+    counts = jnp.bincount(dest, length=shards)
+    starts = jnp.cumsum(counts) - counts
+    slot = jnp.arange(send_cap)
+    valid = slot[None, :] < counts[:, None]  # [shards, send_cap]
+    src = order[jnp.minimum(starts[:, None] + slot[None, :], n * k - 1)]
+    send_x = jnp.where(valid[..., None], x[src // k], 0)
+    send_e = jnp.where(valid, flat_e[src], -1)  # -1: an empty slot, ignored by every expert
+    send_w = jnp.where(valid, weights.reshape(-1)[src], 0)
+    unsent = jnp.sum(jnp.maximum(counts - send_cap, 0))
+
+    def exchange(a):
+        return jax.lax.all_to_all(a, axes, 0, 0, tiled=True) if axes else a
+
+    recv_x, recv_e, recv_w = exchange(send_x), exchange(send_e), exchange(send_w)
+    m = shards * send_cap
+    recv_cap = m if dropless else expert_capacity(n * shards, cfg)
+    y, dropped = grouped_experts(recv_x.reshape(m, -1), recv_e.reshape(m, 1), recv_w.reshape(m, 1),
+                                 wg, wu, wd, min(recv_cap, m), expert_offset=_first_local_expert(e_local))
+    back = exchange(y.astype(jnp.float32).reshape(shards, send_cap, -1))
+    back = jnp.where(valid[..., None], back, 0)
+    out = jnp.zeros((n, x.shape[-1]), jnp.float32).at[(src // k).reshape(-1)].add(back.reshape(m, -1))
+    return out, dropped + unsent
 
 
 class MoE(nnx.Module):

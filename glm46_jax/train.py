@@ -75,12 +75,9 @@ def train(config: ml_collections.ConfigDict,
             logging.info("step %d  %s", step, "  ".join(f"{k}={v:.4g}" for k, v in values.items()))
 
     # --- Mesh and model ----------------------------------------------------------------------
-    mesh = sharding.make_mesh(dict(config.mesh), devices)
+    mesh = sharding.make_mesh(dict(config.mesh), devices, cfg=model_cfg, global_batch=tcfg.global_batch)
     graphdef, params, buffers = init_model(model_cfg, mesh, tcfg.seed)
     batch_layout = jax.NamedSharding(mesh, sharding.logical("batch", "seq"))
-    n_batch_shards = int(np.prod([mesh.shape[a] for a in sharding.mesh_axes("batch")]))
-    if tcfg.global_batch % n_batch_shards:
-        raise ValueError(f"train.global_batch={tcfg.global_batch} must divide over the {n_batch_shards} batch shards")
 
     # --- Data --------------------------------------------------------------------------------
     corpus = bytes_corpus.stdlib_docstrings()

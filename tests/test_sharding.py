@@ -122,7 +122,7 @@ def test_parameters_are_created_sharded_and_grads_keep_the_layout():
     assert _specs(buffers)["moe_layers/mlp/e_score_correction_bias"] == P(None, None)
     # A shard of the expert weights holds 4 experts' halves, not the whole tensor.
     w = params["moe_layers"]["mlp"]["gate_proj"].get_value()
-    assert w.addressable_shards[0].data.shape == (2, 4, 32, 16)
+    assert w.addressable_shards[0].data.shape == (1, 4, 32, 16)
     tokens = jax.device_put(jnp.zeros((BATCH, 16), jnp.int32), jax.NamedSharding(mesh, sharding.logical("batch", "seq")))
     with sharding.use_mesh(mesh):
         _, grads = jax.jit(_loss(graphdef))(params, buffers, tokens)

@@ -75,3 +75,34 @@ def param_counts(c: ModelConfig) -> ParamCounts:
         trunk_total=trunk(False), trunk_active=trunk(True),
         mtp_total=n_mtp * mtp_layer_params(c), mtp_active=n_mtp * mtp_layer_params(c, True),
         embedding=c.vocab_size * c.hidden_size, lm_head=c.vocab_size * c.hidden_size)
+
+
+def matmul_params_per_token(c: ModelConfig) -> int:
+    """Weights each token multiplies in one forward pass (the N of "6 N" training FLOPs).
+
+    Counted: attention q/k/v/o projections, the dense FFNs, the router, the k routed + shared
+    experts of every MoE layer, the MTP layer (eh_proj + its MoE block) and the output head
+    once for the main logits and once more for the MTP logits (the MTP layer shares the head).
+    Not counted: the embedding lookup (a gather), norms, biases, the correction bias.
+    """
+    h = c.hidden_size
+    q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    attn = 2 * h * q_out + 2 * h * kv_out
+    dense = attn + 3 * h * c.intermediate_size
+    moe = attn + (c.num_experts_per_tok + c.n_shared_experts) * expert_params(c) + c.n_routed_experts * h
+    mtp = c.num_nextn_predict_layers * (moe + 2 * h * h)
+    head = (1 + c.num_nextn_predict_layers) * c.vocab_size * h
+    return c.num_dense_layers * dense + c.num_moe_layers * moe + mtp + head
+
+
+def flops_per_token(c: ModelConfig, seq_len: int) -> int:
+    """Model FLOPs per trained token (forward + backward), the MFU numerator.
+
+    6 x `matmul_params_per_token` (2 per multiply-add forward, 4 backward), plus causal attention:
+    QK^T and PV cost 2 * 2 * seq_len * nh * hd forward per token and layer at full length; causal
+    masking halves that on average; x3 for the backward. That is 6 * seq_len * nh * hd per layer,
+    over the num_hidden_layers + MTP layers. Remat recompute is not counted (model FLOPs, not hardware FLOPs).
+    """
+    attn_layers = c.num_hidden_layers + c.num_nextn_predict_layers
+    attention = 6 * attn_layers * seq_len * c.num_attention_heads * c.head_dim
+    return 6 * matmul_params_per_token(c) + attention

@@ -95,7 +95,7 @@ def test_missing_head_dim_falls_back_like_hf(caplog):
     (dict(n_group=3), "n_group"),
     (dict(topk_group=3), "topk_group"),
     (dict(num_experts_per_tok=9), "num_experts_per_tok"),
-    (dict(partial_rotary_factor=0.3), "partial_rotary_factor"),
+    (dict(partial_rotary_factor=0.1), "partial_rotary_factor"),
     (dict(num_nextn_predict_layers=2), "num_nextn_predict_layers"),
     (dict(dtype="int8"), "dtype"),
     (dict(attention_impl="flash3"), "attention_impl"),

@@ -131,7 +131,13 @@ class GLMMoE(nnx.Module):
         if with_mtp and self.mtp is not None:
             # Shift by one inside the row; the wrapped last row is never a valid target.
             next_emb = embed.at[jnp.roll(tokens, -1, axis=1)].get(out_sharding=act).astype(dt)
-            z, mtp_aux = self.mtp(hidden, next_emb, cos, sin, mask)
+            mtp_graphdef, mtp_state = nnx.split(self.mtp)
+
+            def mtp(state, *args):
+                return nnx.merge(mtp_graphdef, state)(*args)
+            if cfg.remat != "none":  # a whole MoE layer: remat it like the trunk's layers
+                mtp = jax.checkpoint(mtp, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+            z, mtp_aux = mtp(mtp_state, hidden, next_emb, cos, sin, mask)
             mtp_logits = jnp.einsum("bsd,dv->bsv", z, head)
             aux = {"mtp": mtp_aux, **aux}
         return ModelOutput(logits=logits, hidden=hidden, mtp_logits=mtp_logits, aux=aux)

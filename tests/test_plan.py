@@ -1,0 +1,166 @@
+"""The plan tool: per-device bytes and FLOPs against hand arithmetic, fit verdicts, mesh errors, CLI."""
+
+import os
+
+import jax
+import pytest
+
+from glm46_jax import plan as plan_lib
+from glm46_jax.config import GLM45, TINY
+from glm46_jax.counting import flops_per_token, param_counts
+from glm46_jax.model import abstract_model
+
+GiB = 1 << 30
+CONFIG = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "pretrain.py")
+MESH_8192 = {"data": 32, "tensor": 8, "expert": 32, "pipeline": 1}
+MESH_256 = {"data": 4, "tensor": 8, "expert": 8, "pipeline": 1}
+
+
+def test_glm45_per_device_param_bytes_match_hand_arithmetic():
+    """data=32, tensor=8, expert=32: every leaf's local shard written out from the spec's shapes and the
+    logical rules (vocab/heads/kv_heads/mlp/mlp_moe -> tensor, embed/embed_moe -> data, exp -> expert,
+    norms, head_dim, router experts and the stacked layers axis replicated)."""
+    # H = 5120 over data 32 -> 160; V = 151552 over tensor 8 -> 18944; heads 96/8 -> 12, kv heads 8/8 -> 1;
+    # I = 12288/8 -> 1536; Im = 1536/8 -> 192; experts 160/32 -> 5.
+    attention = (160 * 12 * 128  # q_proj [H/data, 96/tensor, 128]
+                 + 2 * 160 * 1 * 128  # k_proj, v_proj [H/data, 8/tensor, 128]
+                 + 12 * 128 * 160  # o_proj [96/tensor, 128, H/data]
+                 + 12 * 128 + 2 * 1 * 128  # q/k/v biases [heads/tensor, 128]
+                 + 2 * 128  # q_norm, k_norm, replicated
+                 + 2 * 5120)  # input / post-attention layernorm, replicated
+    dense_ffn = 3 * 160 * 1536  # gate/up [H/data, I/tensor], down [I/tensor, H/data]
+    moe_ffn = (160 * 160  # router [H/data, 160 replicated]
+               + 3 * 5 * 160 * 192  # routed experts [E/expert, H/data, Im/tensor]
+               + 3 * 160 * 192)  # shared expert [H/data, Im/tensor]
+    assert (attention, dense_ffn, moe_ffn) == (544_768, 737_280, 578_560)
+    embed_and_head = 2 * 18944 * 160  # embed_tokens [V/tensor, H/data], lm_head [H/data, V/tensor]
+    final_norm = 5120
+    mtp_extra = 10240 * 160 + 3 * 5120  # eh_proj [2H replicated, H/data]; enorm, hnorm, shared_head_norm
+    elements = (embed_and_head + final_norm + 3 * (attention + dense_ffn) + 89 * (attention + moe_ffn)
+                + (attention + moe_ffn) + mtp_extra)
+    assert elements == 112_666_624
+
+    adam = (embed_and_head + 90 * 160 * 160  # embedding, lm_head, 89 + 1 routers
+            + 93 * (2 * 5120 + 2 * 128) + final_norm + 3 * 5120  # every norm
+            + 93 * (12 * 128 + 2 * 128))  # q/k/v biases
+    r = plan_lib.plan(GLM45, MESH_8192, micro_batch=1, seq_len=4096, remat="full")
+    assert r.devices == 8192
+    assert r.params == r.grads == 4 * elements  # fp32
+    assert r.adam_moments == 2 * 4 * adam
+    assert r.muon_momentum == 4 * (elements - adam)
+    assert r.buffers == 4 * 90 * 160  # e_score_correction_bias [89, 160] + [160], replicated
+    assert r.static == 4 * elements * 2 + 4 * (elements - adam) + 8 * adam + 4 * 90 * 160
+    # Unsharded counts agree with counting.py (the correction bias is a buffer, not a param).
+    assert r.muon_params + r.adam_params == param_counts(GLM45).model_total - 90 * 160
+    assert r.counts.report_total == 351_245_936_544 + 3_988_069_792  # trunk + MTP: "355.23B"
+
+
+def test_flops_per_token_matches_hand_arithmetic():
+    # Spec §6.2 matmul weights, no biases/norms: q 62,914,560 + k 5,242,880 + v 5,242,880 + o 62,914,560.
+    attn = 62_914_560 + 5_242_880 + 5_242_880 + 62_914_560
+    dense = attn + 188_743_680  # 3 * 5120 * 12288
+    moe_active = attn + 9 * 23_592_960 + 160 * 5120  # 8 routed + 1 shared expert, router
+    mtp = moe_active + 2 * 5120 * 5120  # + eh_proj
+    head = 775_946_240  # 151552 * 5120, for the main logits and again for the MTP logits
+    n = 3 * dense + 89 * moe_active + mtp + 2 * head
+    assert n == 34_031_861_760
+    attention = 6 * (92 + 1) * 4096 * 96 * 128  # causal QK^T + PV, fwd + bwd, 92 layers + MTP
+    assert flops_per_token(GLM45, 4096) == 6 * n + attention == 232_276_230_144
+    r = plan_lib.plan(GLM45, MESH_8192, seq_len=4096)
+    assert (r.flops_per_token, r.matmul_params_per_token) == (232_276_230_144, n)
+
+
+def test_optimizer_group():
+    _, params, _ = abstract_model(TINY, jax.sharding.AbstractMesh(
+        (1, 1, 1, 1), ("data", "tensor", "expert", "pipeline"), axis_types=(jax.sharding.AxisType.Explicit,) * 4))
+    groups = {jax.tree_util.keystr(p): plan_lib.optimizer_group(p, x.ndim)
+              for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    adam = sorted(k for k, g in groups.items() if g == "adam")
+    assert all(any(s in k for s in ("embed_tokens", "lm_head", "router", "norm", "_bias")) for k in adam)
+    for name in ("['moe_layers']['mlp']['gate_proj']", "['dense_layers']['self_attn']['o_proj']",
+                 "['mtp']['eh_proj']", "['moe_layers']['mlp']['shared_experts']['down_proj']"):
+        assert groups[name + ".value"] == "muon", name
+    assert plan_lib.optimizer_group("moe_layers/mlp/router") == "adam"
+    assert plan_lib.optimizer_group("moe_layers/mlp/router", router="muon") == "muon"
+    assert plan_lib.optimizer_group("moe_layers/input_layernorm/weight", 2) == "adam"
+    assert plan_lib.optimizer_group("moe_layers/self_attn/q_proj", 4) == "muon"
+    assert plan_lib.optimizer_group("some_stack/vector", 1) == "adam"
+
+
+def test_does_not_fit_says_so_with_the_shortfall():
+    r = plan_lib.plan(GLM45, MESH_256, micro_batch=1, seq_len=4096, remat="save_matmuls", device_memory=16 * GiB)
+    assert r.fits is False
+    short = (r.total - 16 * GiB) / GiB
+    msg = r.verdict()
+    assert msg.startswith(f"DOES NOT FIT: needs {r.total / GiB:.2f} GiB per device, the device has 16.00 GiB")
+    assert f"short by {short:.2f} GiB" in msg
+    assert "params + grads + optimizer state alone need" in msg  # ~28 GiB of state on 256 devices
+    assert "--remat=full (now save_matmuls)" in msg
+    assert "DOES NOT FIT" in r.report()
+    ok = plan_lib.plan(GLM45, MESH_256, remat="full", device_memory=200 * GiB)
+    assert ok.fits and ok.verdict().startswith("FITS: ")
+    assert plan_lib.plan(GLM45, MESH_256).fits is None
+
+
+def test_activation_estimate_orders_by_remat():
+    cfg = GLM45.replace(dtype="bfloat16")
+    est = {m: plan_lib.activation_estimate(cfg, MESH_256, 1, 4096, m) for m in ("none", "save_matmuls", "full")}
+    assert est["none"].total > est["save_matmuls"].total > est["full"].total
+    assert est["full"].saved_layers == 92 * 4096 * 5120 * 2  # the bf16 layer inputs only
+    assert est["none"].recompute == 0 < est["full"].recompute
+    double = plan_lib.activation_estimate(cfg, MESH_256, 2, 4096, "full")
+    assert double.total == pytest.approx(2 * est["full"].total, rel=1e-6)
+
+
+@pytest.mark.parametrize("mesh, devices, message", [
+    ({"data": 4, "tensor": 8, "expert": 7}, None, "n_routed_experts=160 is not divisible by the expert"),
+    ({"data": 4, "tensor": 3, "expert": 8}, None, "num_key_value_heads=8 is not divisible by the tensor"),
+    ({"data": 3, "tensor": 8, "expert": 8}, None, "hidden_size=5120 is not divisible by the data"),
+    ({"data": 4, "tensor": 8, "expert": 8}, 512, "multiplies to 256 devices but there are 512"),
+    ({"data": -1, "tensor": 8, "expert": 8}, None, "needs the device count"),
+    ({"data": -1, "tensor": 8, "expert": 8}, 100, "does not divide the 100 devices"),
+    ({"data": 4, "tensor": 8, "model": 8}, None, "unknown"),
+])
+def test_invalid_mesh_errors(mesh, devices, message):
+    with pytest.raises(ValueError, match=message):
+        plan_lib.plan(GLM45, mesh, devices=devices)
+
+
+def test_batch_errors():
+    with pytest.raises(ValueError, match="global_batch=100 is not divisible"):
+        plan_lib.plan(GLM45, MESH_256, global_batch=100)
+    with pytest.raises(ValueError, match="global_batch=32 is not a multiple of micro-batch 2"):
+        plan_lib.plan(GLM45, MESH_256, micro_batch=2, global_batch=32)
+    assert plan_lib.plan(GLM45, {"data": -1, "tensor": 8, "expert": 8}, devices=512).mesh["data"] == 8
+
+
+def test_parsers():
+    assert plan_lib.parse_mesh("data=32,tensor=8,expert=32,pipeline=1") == MESH_8192
+    assert plan_lib.parse_mesh("data=-1, expert=8") == {"data": -1, "expert": 8}
+    for bad in ("data=4,tensor", "data=4,data=2", ""):
+        with pytest.raises(ValueError, match="--mesh="):
+            plan_lib.parse_mesh(bad)
+    assert plan_lib.parse_bytes("80GiB") == 80 * GiB
+    assert plan_lib.parse_bytes("80 GB") == 80 * 10**9
+    assert plan_lib.parse_bytes("141gb") == 141 * 10**9
+    assert plan_lib.parse_bytes("1024") == 1024
+    with pytest.raises(ValueError, match="e.g. 80GiB"):
+        plan_lib.parse_bytes("80 potatoes")
+
+
+def test_cli(capsys):
+    r = plan_lib.main([f"--config={CONFIG}:glm45", "--mesh=data=4,tensor=8,expert=8,pipeline=1",
+                       "--device-memory=80GiB", "--micro-batch=1", "--seq-len=4096", "--remat=full"])
+    out = capsys.readouterr().out
+    assert r.mesh == MESH_256 and r.remat == "full" and r.seq_len == 4096
+    assert "355.23B total / 32.48B active" in out and "232.28 GFLOP" in out
+    assert "global batch 4096 = 128 accumulation steps" in out
+    assert ("FITS: " if r.fits else "DOES NOT FIT") in out
+
+    r = plan_lib.main([f"--config={CONFIG}:glm45", "--mesh=data=-1,tensor=8,expert=32", "--devices=8192",
+                       "--device-memory=8GiB", "--config.model.moe_capacity_factor=1.25"])
+    out = capsys.readouterr().out
+    assert r.mesh == MESH_8192 and r.fits is False and r.cfg.moe_capacity_factor == 1.25
+    assert "DOES NOT FIT" in out and "short by" in out
+    with pytest.raises(ValueError, match="n_routed_experts"):
+        plan_lib.main([f"--config={CONFIG}:glm45", "--mesh=data=4,tensor=8,expert=6"])

@@ -114,7 +114,7 @@ class ActivationEstimate:
     """Activation bytes per device (`activation_estimate`); `total` is their sum."""
     saved_layers: int  # kept for the backward of every scanned layer (by remat policy)
     recompute: int  # one scanned layer rebuilt for its backward (remat full / save_matmuls)
-    mtp: int  # the MTP layer (never rematerialised), its inputs, the embedding output, final norm
+    mtp: int  # the MTP layer (remat like the trunk), its inputs, the embedding output, final norm
     logits: int  # main + MTP logits with their fp32 copy and gradient
     moe_buffers_per_layer: int  # routed-expert dispatch + grouped-matmul buffers of one MoE layer
 
@@ -168,8 +168,9 @@ def activation_estimate(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_b
       save_matmuls  layer input + outputs of matmuls without batch dims (q/k/v, o_proj, dense and
                     shared FFN gate/up/down, fp32 router logits); routed experts and attention recompute
       full          the layer input (a * H) only
-    plus, with save_matmuls / full, one layer rebuilt for its backward. The MTP layer is not
-    rematerialised; its inputs take 7 a H more, the embedding output and final norm 2 a H.
+    plus, with save_matmuls / full, one layer rebuilt for its backward. The MTP layer follows the
+    same policy as the trunk (saved like one more MoE layer; its rebuild is the trunk's MoE rebuild);
+    its inputs take 7 a H more, the embedding output and final norm 2 a H.
     Logits: (1 + MTP) * ceil(V/tp) * (a + 4 fp32 copy + 4 fp32 gradient). The terms are summed
     although the logits, the MTP layer and the rebuilt layer peak at different moments; that
     stands in for gradients in flight, which are not counted separately.
@@ -205,7 +206,7 @@ def activation_estimate(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_b
     per_token = ActivationEstimate(
         saved_layers=n_dense * saved_dense + n_moe * saved_moe,
         recompute=0 if remat == "none" else max(rebuilt, default=0),
-        mtp=n_mtp * (attn + moe + 7 * a * h) + 2 * a * h,
+        mtp=n_mtp * ((attn + moe if remat == "none" else saved_moe) + 7 * a * h) + 2 * a * h,
         logits=(1 + n_mtp) * -(-cfg.vocab_size // tp) * (a + 8),
         moe_buffers_per_layer=routed)
     tokens = micro_batch * seq_len

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
 _REMAT = ("none", "full", "save_matmuls")
-_MOE_DISPATCH = ("allgather", "alltoall", "ragged_alltoall")
+_MOE_DISPATCH = ("allgather", "alltoall")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,7 @@ class ModelConfig:
     # 0 = exact dropless routing; > 0 = per-expert capacity ceil(cf * tokens * k / E).
     moe_capacity_factor: float = 0.0
     # How tokens reach experts sharded over the `expert` mesh axis (see model/moe.py).
-    moe_dispatch: str = "allgather"  # allgather | alltoall | ragged_alltoall (GPU/TPU only)
+    moe_dispatch: str = "allgather"  # allgather | alltoall
     remat: str = "none"  # none | full | save_matmuls
 
     def __post_init__(self):
@@ -100,7 +100,8 @@ class ModelConfig:
         if self.attention_impl not in _ATTENTION_IMPLS:
             bad("attention_impl", f"{self.attention_impl!r} not in {_ATTENTION_IMPLS}")
         if self.moe_dispatch not in _MOE_DISPATCH:
-            bad("moe_dispatch", f"{self.moe_dispatch!r} not in {_MOE_DISPATCH}")
+            bad("moe_dispatch", f"{self.moe_dispatch!r} not in {_MOE_DISPATCH} (a ragged all-to-all needs "
+                "a GPU/TPU to test on and is not in this build)")
         if self.remat not in _REMAT:
             bad("remat", f"{self.remat!r} not in {_REMAT}")
         if self.moe_capacity_factor < 0:

@@ -58,9 +58,6 @@ def dispatch(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float[Arra
       alltoall   send each assignment to the shard owning its expert in capacity-sized buffers
                  with `all_to_all`, compute, send back (communication ~ k x tokens, not E x tokens)
     """
-    if cfg.moe_dispatch == "ragged_alltoall":
-        raise NotImplementedError(  # kept out until it can be tested on a GPU/TPU (no XLA:CPU lowering)
-            "moe_dispatch='ragged_alltoall' is not available in this build; use 'allgather' or 'alltoall'")
     tok = logical("batch", None)
     exp = logical("exp", None, "mlp_moe")
     exp_down = logical("exp", "mlp_moe", None)

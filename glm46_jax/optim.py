@@ -1,16 +1,46 @@
-"""The optimizer: clip -> AdamW under a warmup + cosine schedule.
+"""The optimizer: clip -> {Muon for hidden matrices, AdamW for the rest} under an LR schedule.
 
-Muon for the matrices (AdamW for embeddings, head, norms, router) replaces this in a later
-issue; train_step stays optimizer-agnostic, it only sees an `optax.GradientTransformation`.
+    tx, schedule = build_optimizer(OptimConfig(...), params)     # GLM-4.5 recipe (Muon)
+    tx, schedule = adamw(OptimConfig(...))                        # plain AdamW (the first baseline)
+
+train_step stays optimizer-agnostic: it only sees an `optax.GradientTransformation`.
+
+Muon (GLM_SPEC §5.1/§5.2, STYLE B2; optax 0.2.8 `optax.contrib.scale_by_muon`):
+  * Nesterov momentum 0.95 (optax's bias-corrected EMA form; Newton-Schulz normalises the scale
+    away, so the direction equals Moonlight's `g + mu*buf` at step 1 and asymptotically after),
+  * Newton-Schulz, 5 steps, (a, b, c) = (3.4445, -4.7750, 2.0315), X / (||X||_F + 1e-8) first,
+    transposed when rows > cols,
+  * update RMS matched to 0.2: scaled by 0.2 * sqrt(max(fan_in, fan_out)) (Moonlight, "Muon is
+    scalable"). optax exports no public `scale_by_shape`; `_scale_by_consistent_rms` below is that
+    transform (optax.contrib._muon.scale_by_shape with consistent_rms) written out,
+  * decoupled weight decay 0.1, multiplied by the lr (W <- W - lr*(0.2*sqrt(max)*O + wd*W)).
+Which leaves are Muon is `plan.optimizer_group` (embedding, norms, biases -> AdamW; router and
+lm_head AdamW unless `router_optimizer` / `head_optimizer` = "muon"). The matrix each Muon leaf is
+orthogonalised as is `muon_dims`; every other axis is a batch axis (stacked layers, experts, heads).
+
+Sharding: Newton-Schulz's X @ X.T fails in Explicit mode when a matrix axis is sharded
+(DuplicateSpecError, STYLE B2). `build_optimizer` therefore returns `sharded_update(tx)`, whose
+update runs under `jax.sharding.auto_axes` with its outputs pinned to the shardings of the incoming
+grads and opt state; `tx.update` can be called in Explicit mode (inside jit) as usual.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
+
+from glm46_jax.plan import _names, optimizer_group
+
+MDN = optax.contrib.MuonDimensionNumbers
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+SCHEDULES = ("warmup_cosine", "wsd", "cosine_restarts", "constant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,12 +49,24 @@ class OptimConfig:
     end_lr: float = 2.5e-5
     warmup_steps: int = 2000
     decay_steps: int = 100_000  # total schedule length, warmup included (optax convention)
-    weight_decay: float = 0.1
+    weight_decay: float = 0.1  # AdamW (`adamw`) and Muon leaves (`build_optimizer`)
     clip: float = 1.0  # global grad-norm clip
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
+    # --- build_optimizer only ---
+    schedule: str = "warmup_cosine"  # one of SCHEDULES
+    wsd_decay_steps: int = 0  # wsd: length of the final linear decay; 0 -> 10% of decay_steps
+    restarts: int = 1  # cosine_restarts: number of equal cosine cycles over decay_steps
+    muon_momentum: float = 0.95
+    muon_ns_steps: int = 5
+    muon_rms: float = 0.2  # update RMS matched to AdamW's typical 0.2
+    adam_weight_decay: float = 0.1  # AdamW leaves: embedding (and lm_head) only, never norms/biases/router
+    router_optimizer: str = "adam"  # "adam" | "muon"
+    head_optimizer: str = "adam"  # lm_head: "adam" | "muon"
 
+
+# --- schedules --------------------------------------------------------------------------------
 
 def lr_schedule(cfg: OptimConfig) -> optax.Schedule:
     """0 -> lr linearly over warmup_steps, then cosine to end_lr at decay_steps, flat after."""
@@ -32,6 +74,42 @@ def lr_schedule(cfg: OptimConfig) -> optax.Schedule:
         init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
         decay_steps=max(cfg.decay_steps, cfg.warmup_steps + 1), end_value=cfg.end_lr)
 
+
+def make_schedule(cfg: OptimConfig) -> optax.Schedule:
+    """The schedule named by `cfg.schedule`; every one warms up linearly 0 -> lr over warmup_steps.
+
+    warmup_cosine    GLM-4.5: cosine lr -> end_lr, ending at decay_steps (`lr_schedule`).
+    wsd              warmup, stable at lr, linear lr -> end_lr over the last wsd_decay_steps
+                     of decay_steps, flat after.
+    cosine_restarts  `restarts` equal cycles over decay_steps; the first warms up from 0, later ones
+                     from end_lr; each cosines to end_lr (optax.sgdr_schedule).
+    constant         warmup, then lr forever.
+    """
+    w, total = cfg.warmup_steps, cfg.decay_steps
+    if cfg.schedule == "warmup_cosine":
+        return lr_schedule(cfg)
+    if cfg.schedule == "wsd":
+        d = cfg.wsd_decay_steps or max(1, total // 10)
+        if not w <= total - d:
+            raise ValueError(f"wsd: warmup_steps={w} + wsd_decay_steps={d} exceed decay_steps={total}")
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, cfg.lr, w), optax.constant_schedule(cfg.lr),
+             optax.linear_schedule(cfg.lr, cfg.end_lr, d)], boundaries=[w, total - d])
+    if cfg.schedule == "cosine_restarts":
+        n = max(1, cfg.restarts)
+        cycle = total // n
+        if cycle <= w:
+            raise ValueError(f"cosine_restarts: cycle length {cycle} must exceed warmup_steps={w}")
+        return optax.sgdr_schedule([
+            dict(init_value=0.0 if i == 0 else cfg.end_lr, peak_value=cfg.lr, warmup_steps=w,
+                 decay_steps=cycle, end_value=cfg.end_lr) for i in range(n)])
+    if cfg.schedule == "constant":
+        return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, w), optax.constant_schedule(cfg.lr)],
+                                    boundaries=[w])
+    raise ValueError(f"schedule={cfg.schedule!r}: expected one of {SCHEDULES}")
+
+
+# --- plain AdamW (kept: the baseline and the tests that use it) --------------------------------
 
 def _is_decayed(path, _) -> bool:
     # Decay matrices only. Norm weights and biases are stacked per layer in the scanned blocks
@@ -54,3 +132,153 @@ def adamw(cfg: OptimConfig) -> tuple[optax.GradientTransformation, optax.Schedul
                     mask=weight_decay_mask),
     )
     return tx, schedule
+
+
+# --- Muon + AdamW -------------------------------------------------------------------------------
+
+def param_group(path, x, cfg: OptimConfig) -> str:
+    """"muon" or "adam" for one leaf: `plan.optimizer_group`, plus the lm_head switch."""
+    if cfg.head_optimizer not in ("adam", "muon"):
+        raise ValueError(f"head_optimizer={cfg.head_optimizer!r}: expected 'adam' or 'muon'")
+    if "lm_head" in _names(path):
+        return cfg.head_optimizer
+    return optimizer_group(path, x.ndim, router=cfg.router_optimizer)
+
+
+def param_labels(params, cfg: OptimConfig):
+    """The params tree with a "muon" / "adam" string at every leaf."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: param_group(p, x, cfg), params)
+
+
+def muon_dims(path, x) -> MDN:
+    """How a Muon leaf is seen as a batch of (fan_in, fan_out) matrices; other axes are batch axes.
+
+    q/k/v_proj  [L?, D, heads, head_dim]  reduction D, output head_dim: orthogonalised per head
+                (per head group for k/v under GQA), heads and layers batched. Per head rather than
+                the fused [D, heads*head_dim] matrix, as MaxText does for its attention kernels.
+    o_proj      [L?, heads, head_dim, D]  reduction head_dim, output D, per head.
+    experts     [L?, E, in, out]          per expert (L, E batch).
+    dense / shared-expert FFN [L?, in, out], eh_proj [2D, D], router [L?, D, E], lm_head [D, V]:
+                the last two axes, layers batched.
+    """
+    if _names(path)[-1] in ("q_proj", "k_proj", "v_proj"):
+        return MDN(reduction_axis=-3, output_axis=-1)
+    return MDN(reduction_axis=-2, output_axis=-1)
+
+
+def _muon_dims_tree(updates):
+    """`muon_dims` at Muon leaves, MaskedNode where optax.partition masked a leaf out."""
+    masked = lambda x: isinstance(x, optax.MaskedNode)
+    return jax.tree_util.tree_map_with_path(lambda p, x: x if masked(x) else muon_dims(p, x), updates,
+                                            is_leaf=masked)
+
+
+def _scale_by_consistent_rms(rms: float) -> optax.GradientTransformation:
+    """Scale each orthogonalised update by rms * sqrt(max(fan_in, fan_out)) (its RMS becomes ~rms).
+
+    Same as optax.contrib._muon.scale_by_shape(consistent_rms=rms), which 0.2.8 does not export.
+    """
+
+    def scale(path, u):
+        if isinstance(u, optax.MaskedNode):
+            return u
+        dims = muon_dims(path, u)
+        fan_in = math.prod(u.shape[a] for a in _axes(dims.reduction_axis))
+        fan_out = math.prod(u.shape[a] for a in _axes(dims.output_axis))
+        return u * jnp.asarray(rms * math.sqrt(max(fan_in, fan_out)), u.dtype)
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree_util.tree_map_with_path(scale, updates,
+                                                is_leaf=lambda x: isinstance(x, optax.MaskedNode)), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def _axes(a) -> tuple[int, ...]:
+    return (a,) if isinstance(a, int) else tuple(a)
+
+
+def _decay_mask(cfg: OptimConfig, group: str, adam_decayed: tuple[str, ...] = ("embed_tokens", "lm_head")):
+    """Callable mask: Muon leaves (group="muon"), or embedding / lm_head on AdamW (group="adam")."""
+
+    def leaf(path, x):
+        g = param_group(path, x, cfg)
+        if group == "muon":
+            return g == "muon"
+        return g == "adam" and any(n in adam_decayed for n in _names(path))
+
+    return lambda tree: jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def muon_adamw(cfg: OptimConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """Muon / AdamW partition + decoupled weight decay + lr (no clipping, no sharding wrapper).
+
+    Equal per leaf to
+      muon: scale_by_muon -> rms scaling -> add_decayed_weights(weight_decay) -> scale_by_learning_rate
+      adam: optax.adamw(schedule, b1, b2, eps, weight_decay=adam_weight_decay on embedding/lm_head only)
+    The decay and the lr are applied after the partition, once for both groups (same schedule).
+    """
+    if cfg.muon_ns_steps < 1:
+        raise ValueError(f"muon_ns_steps={cfg.muon_ns_steps}")
+    muon = optax.chain(
+        optax.contrib.scale_by_muon(ns_coeffs=NS_COEFFS, ns_steps=cfg.muon_ns_steps, beta=cfg.muon_momentum,
+                                    eps=1e-8, nesterov=True, weight_dimension_numbers=_muon_dims_tree),
+        _scale_by_consistent_rms(cfg.muon_rms),
+    )
+    adam = optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    return optax.chain(
+        optax.partition({"muon": muon, "adam": adam}, functools.partial(param_labels, cfg=cfg)),
+        optax.add_decayed_weights(cfg.weight_decay, mask=_decay_mask(cfg, "muon")),
+        optax.add_decayed_weights(cfg.adam_weight_decay, mask=_decay_mask(cfg, "adam")),
+        optax.scale_by_learning_rate(schedule),
+    )
+
+
+def _shardings(tree):
+    return jax.tree.map(lambda x: jax.typeof(x).sharding, tree)
+
+
+def sharded_update(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` whose update runs under `jax.sharding.auto_axes`, outputs pinned to the input shardings.
+
+    Newton-Schulz's X @ X.T cannot be typed in Explicit mode when a matrix axis is sharded; in Auto
+    mode XLA picks the collectives. Updates come back sharded like the grads, the new opt state like
+    the old one. Without a mesh in context (or with an empty one) this is `tx.update` unchanged.
+    """
+
+    def update(updates, state, params=None):
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or not mesh.axis_names:
+            return tx.update(updates, state, params)
+        run = jax.sharding.auto_axes(lambda u, s, p: tx.update(u, s, p),
+                                     out_sharding=(_shardings(updates), _shardings(state)))
+        return run(updates, state, params)
+
+    return optax.GradientTransformation(tx.init, update)
+
+
+def build_optimizer(cfg: OptimConfig, params: Any = None, *,
+                    sharded: bool = True) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """clip_by_global_norm(clip) -> Muon/AdamW (`muon_adamw`), and its schedule (`make_schedule`).
+
+    `params` (nnx.State or abstract) only validates the grouping up front; the labels are computed
+    from whatever tree `init`/`update` see. `sharded=True` wraps the result in `sharded_update`.
+    """
+    for name in ("router_optimizer", "head_optimizer"):
+        if getattr(cfg, name) not in ("adam", "muon"):
+            raise ValueError(f"{name}={getattr(cfg, name)!r}: expected 'adam' or 'muon'")
+    schedule = make_schedule(cfg)
+    if params is not None:
+        param_labels(params, cfg)  # raises early on an unexpected tree
+    tx = optax.chain(optax.clip_by_global_norm(cfg.clip), muon_adamw(cfg, schedule))
+    return (sharded_update(tx) if sharded else tx), schedule
+
+
+def describe(params, cfg: OptimConfig = OptimConfig()) -> dict[str, tuple[str, str]]:
+    """{param path: (group, dims or "-")} for logging / inspection."""
+    out = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        g = param_group(path, x, cfg)
+        out[jax.tree_util.keystr(path)] = (g, str(tuple(muon_dims(path, x))) if g == "muon" else "-")
+    return out

@@ -1,0 +1,241 @@
+"""The optimizer: Muon vs a NumPy reference, the muon/adam split, weight decay, schedules, sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from glm46_jax import sharding
+from glm46_jax.optim import (NS_COEFFS, OptimConfig, build_optimizer, make_schedule, param_labels)
+
+B1 = 0.95  # Muon momentum
+
+
+# --- an independent NumPy Muon ----------------------------------------------------------------
+
+def ns5_np(g: np.ndarray) -> np.ndarray:
+    """Newton-Schulz 5 on one matrix, float64: X/(|X|_F+1e-8), transpose if rows > cols."""
+    a, b, c = NS_COEFFS
+    x = np.asarray(g, np.float64)
+    tr = x.shape[0] > x.shape[1]
+    if tr:
+        x = x.T
+    x = x / (np.linalg.norm(x) + 1e-8)
+    for _ in range(5):
+        A = x @ x.T
+        x = a * x + (b * A + c * A @ A) @ x
+    return x.T if tr else x
+
+
+def muon_np(grads: list[np.ndarray], p: np.ndarray, lr: float, wd: float, rms: float = 0.2) -> list[np.ndarray]:
+    """Updates of consecutive Muon steps (optax form: bias-corrected EMA Nesterov) on one matrix."""
+    mu = np.zeros_like(grads[0], np.float64)
+    out = []
+    for t, g in enumerate(grads, start=1):
+        g = np.asarray(g, np.float64)
+        mu = B1 * mu + (1 - B1) * g
+        mu_hat = B1 * mu / (1 - B1 ** (t + 1)) + (1 - B1) * g / (1 - B1 ** t)
+        o = ns5_np(mu_hat)
+        out.append(-lr * (rms * np.sqrt(max(o.shape)) * o + wd * p))
+    return out
+
+
+def _rand(key, shape, scale=1.0):
+    return scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)
+
+
+def _cfg(**kw):
+    base = dict(lr=1.0, end_lr=1.0, warmup_steps=0, decay_steps=10, schedule="constant", clip=1e9,
+                weight_decay=0.1, adam_weight_decay=0.1)
+    return OptimConfig(**{**base, **kw})
+
+
+# --- Muon numerics ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(48, 32), (32, 48)])
+def test_muon_matrix_matches_numpy(shape):
+    params = {"mlp": {"down_proj": _rand(0, shape)}}
+    tx, _ = build_optimizer(_cfg(), params)
+    state = tx.init(params)
+    grads = [_rand(1, shape), _rand(2, shape)]
+    want = muon_np(grads, np.asarray(params["mlp"]["down_proj"]), lr=1.0, wd=0.1)
+    for g, w in zip(grads, want):  # step 1 from zero momentum, then step 2 (momentum used)
+        upd, state = tx.update({"mlp": {"down_proj": g}}, state, params)
+        np.testing.assert_allclose(np.asarray(upd["mlp"]["down_proj"]), w, atol=1e-5, rtol=0)
+    # the update RMS really is ~0.2 (NS5 leaves singular values in roughly [0.7, 1.2])
+    rms = np.sqrt(np.mean((want[0] + 0.1 * np.asarray(params["mlp"]["down_proj"])) ** 2))
+    assert 0.12 < rms < 0.25
+
+
+def test_muon_per_expert_and_per_head():
+    L, E, D, F, H, Dh = 2, 3, 16, 8, 4, 8
+    params = {"moe_layers": {"mlp": {"gate_proj": _rand(0, (L, E, D, F))},
+                             "self_attn": {"q_proj": _rand(1, (L, D, H, Dh)), "o_proj": _rand(2, (L, H, Dh, D))}},
+              "mtp": {"block": {"mlp": {"up_proj": _rand(3, (E, D, F))}}}}
+    tx, _ = build_optimizer(_cfg(weight_decay=0.0), params)
+    grads = jax.tree.map(lambda x: jnp.cos(7 * x), params)
+    upd, _ = tx.update(grads, tx.init(params), params)
+    g1 = lambda g: muon_np([g], np.zeros_like(g), lr=1.0, wd=0.0)[0]
+    gx = jax.tree.map(np.asarray, grads)
+    ux = jax.tree.map(np.asarray, upd)
+    for l in range(L):
+        for e in range(E):  # experts [L, E, in, out]: one matrix per (layer, expert)
+            np.testing.assert_allclose(ux["moe_layers"]["mlp"]["gate_proj"][l, e],
+                                       g1(gx["moe_layers"]["mlp"]["gate_proj"][l, e]), atol=1e-5)
+        for h in range(H):  # q_proj [L, D, H, Dh] per head: [D, Dh]; o_proj [L, H, Dh, D]: [Dh, D]
+            np.testing.assert_allclose(ux["moe_layers"]["self_attn"]["q_proj"][l, :, h],
+                                       g1(gx["moe_layers"]["self_attn"]["q_proj"][l, :, h]), atol=1e-5)
+            np.testing.assert_allclose(ux["moe_layers"]["self_attn"]["o_proj"][l, h],
+                                       g1(gx["moe_layers"]["self_attn"]["o_proj"][l, h]), atol=1e-5)
+    for e in range(E):  # unstacked MTP experts [E, in, out]
+        np.testing.assert_allclose(ux["mtp"]["block"]["mlp"]["up_proj"][e],
+                                   g1(gx["mtp"]["block"]["mlp"]["up_proj"][e]), atol=1e-5)
+    # and not the fused whole: the per-expert result differs from orthogonalising [E*in, out]
+    fused = g1(gx["mtp"]["block"]["mlp"]["up_proj"].reshape(E * D, F)).reshape(E, D, F)
+    assert np.abs(fused - ux["mtp"]["block"]["mlp"]["up_proj"]).max() > 1e-2
+
+
+# --- the split and weight decay ---------------------------------------------------------------
+
+V, D, L, E = 32, 16, 2, 4
+
+
+def _glm_like():
+    k = iter(range(100))
+    return {
+        "embed_tokens": _rand(next(k), (V, D)),
+        "lm_head": _rand(next(k), (D, V)),
+        "norm": {"weight": 1 + _rand(next(k), (D,), 0.1)},
+        "moe_layers": {
+            "input_layernorm": {"weight": 1 + _rand(next(k), (L, D), 0.1)},
+            "mlp": {"router": _rand(next(k), (L, D, E)), "gate_proj": _rand(next(k), (L, E, D, 8)),
+                    "shared_experts": {"down_proj": _rand(next(k), (L, 8, D))}},
+            "self_attn": {"q_proj": _rand(next(k), (L, D, 2, 8)), "q_bias": _rand(next(k), (L, 2, 8)),
+                          "q_norm": {"weight": _rand(next(k), (L, 8))}, "o_proj": _rand(next(k), (L, 2, 8, D))}},
+        "mtp": {"eh_proj": _rand(next(k), (2 * D, D)), "enorm": {"weight": _rand(next(k), (D,))}},
+    }
+
+
+ADAM = ["embed_tokens", "lm_head", "norm", "input_layernorm", "router", "q_bias", "q_norm", "enorm"]
+
+
+def _flat(tree):
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def test_labels():
+    params = _glm_like()
+    labels = _flat(param_labels(params, _cfg()))
+    for path, label in labels.items():
+        assert label == ("adam" if any(f"'{n}'" in path for n in ADAM) else "muon"), path
+    assert sum(v == "muon" for v in labels.values()) == 5  # gate, shared down, q, o, eh_proj
+    switched = _flat(param_labels(params, _cfg(router_optimizer="muon", head_optimizer="muon")))
+    assert switched["['moe_layers']['mlp']['router']"] == "muon" and switched["['lm_head']"] == "muon"
+    assert switched["['embed_tokens']"] == "adam"
+    with pytest.raises(ValueError):
+        build_optimizer(_cfg(head_optimizer="sgd"), params)
+
+
+def test_adam_leaves_equal_optax_adamw():
+    params = _glm_like()
+    cfg = _cfg(lr=0.3)
+    tx, sched = build_optimizer(cfg, params)
+    decayed = lambda t: jax.tree_util.tree_map_with_path(
+        lambda p, _: any(n in jax.tree_util.keystr(p) for n in ("embed_tokens", "lm_head")), t)
+    ref = optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.adam_weight_decay, mask=decayed)
+    s, rs = tx.init(params), ref.init(params)
+    for i in range(2):
+        grads = jax.tree.map(lambda x: jnp.sin(x * (i + 3.0)), params)
+        upd, s = tx.update(grads, s, params)
+        rupd, rs = ref.update(grads, rs, params)
+        labels = _flat(param_labels(params, cfg))
+        for path, u in _flat(upd).items():
+            if labels[path] == "adam":
+                np.testing.assert_allclose(np.asarray(u), np.asarray(_flat(rupd)[path]), atol=1e-6, err_msg=path)
+            else:  # Muon updates are not AdamW's
+                assert np.abs(np.asarray(u) - np.asarray(_flat(rupd)[path])).max() > 1e-3, path
+
+
+def test_weight_decay_only_where_intended():
+    params = _glm_like()
+    tx, _ = build_optimizer(_cfg(lr=0.5, weight_decay=0.1, adam_weight_decay=0.01), params)
+    upd, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    labels = _flat(param_labels(params, _cfg()))
+    for path, u in _flat(upd).items():
+        p = np.asarray(_flat(params)[path])
+        if labels[path] == "muon":
+            want = -0.5 * 0.1 * p
+        elif "embed_tokens" in path or "lm_head" in path:
+            want = -0.5 * 0.01 * p
+        else:  # norms, biases, router: no decay
+            want = np.zeros_like(p)
+        np.testing.assert_allclose(np.asarray(u), want, atol=1e-7, err_msg=path)
+
+
+def test_clip_applies_to_the_global_norm():
+    params = {"embed_tokens": jnp.ones((4, 4))}
+    tx, _ = build_optimizer(_cfg(clip=1.0, adam_weight_decay=0.0, b1=0.0, b2=0.0, eps=0.0), params)
+    big = {"embed_tokens": jnp.full((4, 4), 10.0)}
+    upd, _ = tx.update(big, tx.init(params), params)  # Adam with b1=b2=0: g/|g| = 1 whatever the clip
+    np.testing.assert_allclose(np.asarray(upd["embed_tokens"]), -1.0, atol=1e-6)
+
+
+# --- schedules --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,kw,points", [
+    ("warmup_cosine", {}, {0: 0.0, 5: 0.5, 10: 1.0, 60: 0.55, 110: 0.1, 500: 0.1}),
+    ("wsd", {"wsd_decay_steps": 20}, {0: 0.0, 5: 0.5, 10: 1.0, 50: 1.0, 90: 1.0, 100: 0.55, 110: 0.1, 500: 0.1}),
+    ("wsd", {}, {10: 1.0, 99: 1.0, 104: 1 - 0.9 * 5 / 11, 110: 0.1}),  # default decay: last 10% (11 steps)
+    ("cosine_restarts", {"restarts": 2, "decay_steps": 120},
+     {0: 0.0, 5: 0.5, 10: 1.0, 35: 0.55, 60: 0.1, 65: 0.55, 70: 1.0, 95: 0.55, 120: 0.1, 500: 0.1}),
+    ("constant", {}, {0: 0.0, 5: 0.5, 10: 1.0, 10_000: 1.0}),
+])
+def test_schedules(name, kw, points):
+    cfg = OptimConfig(lr=1.0, end_lr=0.1, warmup_steps=10, decay_steps=110, schedule=name)
+    sched = make_schedule(OptimConfig(**{**cfg.__dict__, **kw}))
+    for step, want in points.items():
+        assert float(sched(step)) == pytest.approx(want, abs=1e-5), (name, step)
+
+
+def test_schedule_errors():
+    with pytest.raises(ValueError):
+        make_schedule(OptimConfig(schedule="linear"))
+    with pytest.raises(ValueError):
+        make_schedule(OptimConfig(schedule="cosine_restarts", restarts=100, warmup_steps=2000, decay_steps=100_000))
+
+
+# --- sharded ----------------------------------------------------------------------------------
+
+def test_sharded_update_matches_single_device():
+    from glm46_jax.config import get_preset
+    from glm46_jax.model import init_model
+
+    cfg = get_preset("tiny")
+    mesh = sharding.make_mesh({"data": 2, "tensor": 2, "expert": 2}, cfg=cfg, global_batch=8)
+    _, params, _ = init_model(cfg, mesh, 0)
+    ocfg = _cfg(lr=0.01)
+    host_params = jax.tree.map(np.asarray, params)
+    grad_fn = lambda p: jax.tree.map(lambda x: jnp.sin(1000.0 * x) + 0.1 * x, p)
+
+    with sharding.use_mesh(mesh):
+        tx, _ = build_optimizer(ocfg, params)
+        state0 = jax.jit(tx.init)(params)
+        spec0 = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, state0)
+        upd, state1 = jax.jit(lambda p, s: tx.update(grad_fn(p), s, p))(params, state0)
+        # the Muon momentum of every matrix keeps its parameter's layout
+        for path, x in _flat(params).items():
+            assert _flat(upd)[path].sharding.spec == x.sharding.spec, path
+        assert jax.tree.map(lambda x: jax.typeof(x).sharding.spec, state1) == spec0
+        # without the auto_axes wrapper, Explicit-mode Newton-Schulz fails on a sharded matrix axis
+        raw, _ = build_optimizer(ocfg, params, sharded=False)
+        with pytest.raises(Exception, match="DuplicateSpec|tensor.*tensor|sharded"):
+            jax.jit(lambda p, s: raw.update(grad_fn(p), s, p)).trace(params, state0)
+
+    ref, _ = build_optimizer(ocfg, sharded=False)  # single device, no mesh
+    p1 = jax.device_put(host_params, jax.devices()[0])
+    rupd, rstate = jax.jit(lambda p, s: ref.update(grad_fn(p), s, p))(p1, ref.init(p1))
+    for path, u in _flat(upd).items():
+        np.testing.assert_allclose(np.asarray(u), np.asarray(_flat(rupd)[path]), atol=1e-5, rtol=0, err_msg=path)
+    for (path, s), r in zip(_flat(state1).items(), jax.tree.leaves(rstate)):
+        np.testing.assert_allclose(np.asarray(s), np.asarray(r), atol=1e-6, err_msg=path)

@@ -9,8 +9,8 @@ Every ModelConfig field of the preset is listed under `model`, so any of them ca
 section into the typed ModelConfig. `optim.decay_steps` follows `train.steps` unless set.
 
 Only "tiny" runs here (CPU, the built-in stdlib-docstring byte corpus). The others carry the
-GLM-4.5 recipe (AdamW-shaped for now: peak 2.5e-4 -> 2.5e-5 cosine, seq 4096, ~16M tokens per
-batch); they need the real data pipeline and a GPU cluster, and Muon replaces AdamW later.
+GLM-4.5 recipe (Muon + AdamW, peak 2.5e-4 -> 2.5e-5 cosine, seq 4096, ~16M tokens per batch);
+they need the real data pipeline and a GPU cluster.
 """
 
 import dataclasses

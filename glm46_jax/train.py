@@ -27,7 +27,7 @@ from glm46_jax import checkpoint, sharding
 from glm46_jax.config import model_config_from_dict
 from glm46_jax.data import bytes_corpus
 from glm46_jax.model import init_model
-from glm46_jax.optim import OptimConfig, adamw
+from glm46_jax.optim import OptimConfig, build_optimizer
 from glm46_jax.train_step import TrainState, init_state, make_eval_step, make_train_step
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file, e.g. configs/pretrain.py:tiny.",
@@ -90,7 +90,7 @@ def train(config: ml_collections.ConfigDict,
                  len(corpus.heldout), len(corpus.train_modules), len(corpus.heldout_modules))
 
     # --- Optimizer and jitted steps ----------------------------------------------------------
-    tx, lr_schedule = adamw(optim_cfg)
+    tx, lr_schedule = build_optimizer(optim_cfg, params)
     with sharding.use_mesh(mesh):
         state = init_state(params, buffers, tx)
         del params, buffers  # now owned by `state`, which the step donates

@@ -57,8 +57,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cf
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
         (_, metrics), grads = grad_fn(state.params, state.buffers, batch, graphdef, cfg, mtp_weight=mtp_weight)
-        # AdamW is elementwise, so it runs in Explicit mode as is and every moment keeps its
-        # parameter's layout. (Muon's X @ X.T will need `jax.sharding.auto_axes`, STYLE B2.)
+        # Muon's X @ X.T runs under auto_axes inside tx (optim.sharded_update, STYLE B2); every
+        # moment keeps its parameter's layout.
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "update_norm": optax.tree.norm(updates)}

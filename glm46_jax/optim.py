@@ -14,7 +14,7 @@ Muon (GLM_SPEC §5.1/§5.2, STYLE B2; optax 0.2.8 `optax.contrib.scale_by_muon`)
     scalable"). optax exports no public `scale_by_shape`; `_scale_by_consistent_rms` below is that
     transform (optax.contrib._muon.scale_by_shape with consistent_rms) written out,
   * decoupled weight decay 0.1, multiplied by the lr (W <- W - lr*(0.2*sqrt(max)*O + wd*W)).
-Which leaves are Muon is `plan.optimizer_group` (embedding, norms, biases -> AdamW; router and
+Which leaves are Muon is `optimizer_group` (embedding, norms, biases -> AdamW; router and
 lm_head AdamW unless `router_optimizer` / `head_optimizer` = "muon"). The matrix each Muon leaf is
 orthogonalised as is `muon_dims`; every other axis is a batch axis (stacked layers, experts, heads).
 
@@ -29,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -36,7 +38,47 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from glm46_jax.plan import _names, optimizer_group
+LAYER_STACKS = ("dense_layers", "moe_layers")  # leaves under these carry a leading, unsharded "layers" axis
+
+
+# --- the optimizer split (the plan tool counts optimizer state with it too) -----------------------
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):  # DictKey, GetAttrKey, SequenceKey
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def path_names(path: str | Sequence[Any]) -> list[str]:
+    if isinstance(path, str):
+        return re.findall(r"\w+", path)
+    return [n for n in map(_key_name, path) if n != "value"]  # nnx.State leaves end in `.value`
+
+
+def optimizer_group(path: str | Sequence[Any], ndim: int | None = None, *, router: str = "adam") -> str:
+    """"muon" or "adam" for the parameter at `path` (a jax key path or "moe_layers/mlp/router").
+
+    Muon orthogonalises weight *matrices* whose two sides are hidden features. The embedding
+    (a lookup table), the lm_head (its rows are per-token outputs), norms and biases are not such
+    matrices and go to AdamW, as in Moonlight/Kimi and GLM-4.5. The router is a matrix but a tiny,
+    routing-critical one: AdamW by default, `router="muon"` to change that. Everything else
+    (attention q/k/v/o, dense and expert FFNs, the shared expert, eh_proj) is Muon; given `ndim`,
+    a leaf with fewer than 2 dims once the stacked "layers" axis is removed goes to AdamW too.
+    """
+    names = path_names(path)
+    if any(n in ("embed_tokens", "lm_head") for n in names):
+        return "adam"
+    if any(n.endswith(("norm", "_bias")) for n in names):
+        return "adam"
+    if "router" in names:
+        if router not in ("adam", "muon"):
+            raise ValueError(f"router={router!r}: expected 'adam' or 'muon'")
+        return router
+    if ndim is not None and ndim - (bool(names) and names[0] in LAYER_STACKS) < 2:
+        return "adam"
+    return "muon"
+
 
 MDN = optax.contrib.MuonDimensionNumbers
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -137,10 +179,10 @@ def adamw(cfg: OptimConfig) -> tuple[optax.GradientTransformation, optax.Schedul
 # --- Muon + AdamW -------------------------------------------------------------------------------
 
 def param_group(path, x, cfg: OptimConfig) -> str:
-    """"muon" or "adam" for one leaf: `plan.optimizer_group`, plus the lm_head switch."""
+    """"muon" or "adam" for one leaf: `optimizer_group`, plus the lm_head switch."""
     if cfg.head_optimizer not in ("adam", "muon"):
         raise ValueError(f"head_optimizer={cfg.head_optimizer!r}: expected 'adam' or 'muon'")
-    if "lm_head" in _names(path):
+    if "lm_head" in path_names(path):
         return cfg.head_optimizer
     return optimizer_group(path, x.ndim, router=cfg.router_optimizer)
 
@@ -161,7 +203,7 @@ def muon_dims(path, x) -> MDN:
     dense / shared-expert FFN [L?, in, out], eh_proj [2D, D], router [L?, D, E], lm_head [D, V]:
                 the last two axes, layers batched.
     """
-    if _names(path)[-1] in ("q_proj", "k_proj", "v_proj"):
+    if path_names(path)[-1] in ("q_proj", "k_proj", "v_proj"):
         return MDN(reduction_axis=-3, output_axis=-1)
     return MDN(reduction_axis=-2, output_axis=-1)
 
@@ -206,7 +248,7 @@ def _decay_mask(cfg: OptimConfig, group: str, adam_decayed: tuple[str, ...] = ("
         g = param_group(path, x, cfg)
         if group == "muon":
             return g == "muon"
-        return g == "adam" and any(n in adam_decayed for n in _names(path))
+        return g == "adam" and any(n in adam_decayed for n in path_names(path))
 
     return lambda tree: jax.tree_util.tree_map_with_path(leaf, tree)
 

@@ -27,7 +27,6 @@ import math
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -35,50 +34,11 @@ import numpy as np
 from glm46_jax import sharding
 from glm46_jax.config import ModelConfig, model_config_from_dict
 from glm46_jax.counting import ParamCounts, flops_per_token, matmul_params_per_token, param_counts
+from glm46_jax.optim import LAYER_STACKS, optimizer_group, path_names
 
 GiB = 1 << 30
 _OPT_BYTES = 4  # optimizer moments are fp32 whatever the parameter dtype
-_STACKS = ("dense_layers", "moe_layers")  # leaves under these carry a leading, unsharded "layers" axis
 _FSDP_LOGICAL = ("embed", "embed_moe")  # the logical axes sharding.weight() gathers before use
-
-
-# --- the optimizer split (shared with the training code) -------------------------------------
-
-def _key_name(key: Any) -> str:
-    for attr in ("key", "name", "idx"):  # DictKey, GetAttrKey, SequenceKey
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def _names(path: str | Sequence[Any]) -> list[str]:
-    if isinstance(path, str):
-        return re.findall(r"\w+", path)
-    return [n for n in map(_key_name, path) if n != "value"]  # nnx.State leaves end in `.value`
-
-
-def optimizer_group(path: str | Sequence[Any], ndim: int | None = None, *, router: str = "adam") -> str:
-    """"muon" or "adam" for the parameter at `path` (a jax key path or "moe_layers/mlp/router").
-
-    Muon orthogonalises weight *matrices* whose two sides are hidden features. The embedding
-    (a lookup table), the lm_head (its rows are per-token outputs), norms and biases are not such
-    matrices and go to AdamW, as in Moonlight/Kimi and GLM-4.5. The router is a matrix but a tiny,
-    routing-critical one: AdamW by default, `router="muon"` to change that. Everything else
-    (attention q/k/v/o, dense and expert FFNs, the shared expert, eh_proj) is Muon; given `ndim`,
-    a leaf with fewer than 2 dims once the stacked "layers" axis is removed goes to AdamW too.
-    """
-    names = _names(path)
-    if any(n in ("embed_tokens", "lm_head") for n in names):
-        return "adam"
-    if any(n.endswith(("norm", "_bias")) for n in names):
-        return "adam"
-    if "router" in names:
-        if router not in ("adam", "muon"):
-            raise ValueError(f"router={router!r}: expected 'adam' or 'muon'")
-        return router
-    if ndim is not None and ndim - (bool(names) and names[0] in _STACKS) < 2:
-        return "adam"
-    return "muon"
 
 
 # --- per-device bytes of an abstract leaf ----------------------------------------------------
@@ -367,7 +327,7 @@ def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None
     layer_gathered: dict[str, int] = {}  # one layer of each stack (and the MTP layer), compute layout
     head_gathered = 0  # embedding + lm_head, live from the first layer to the MTP logits
     for path, x in jax.tree_util.tree_leaves_with_path(params):
-        names = _names(path)
+        names = path_names(path)
         local = shard_elements(x, sizes)
         param_bytes += local * np.dtype(x.dtype).itemsize
         size = math.prod(x.shape)
@@ -376,7 +336,7 @@ def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None
             muon, n_muon = muon + local * _OPT_BYTES, n_muon + size
         else:
             adam, n_adam = adam + 2 * local * _OPT_BYTES, n_adam + size
-        gathered = shard_elements(x, sizes, drop_axes=fsdp, skip_leading=names[0] in _STACKS)
+        gathered = shard_elements(x, sizes, drop_axes=fsdp, skip_leading=names[0] in LAYER_STACKS)
         gathered *= np.dtype(x.dtype).itemsize
         if names[0] in ("embed_tokens", "lm_head"):
             head_gathered += gathered

@@ -18,7 +18,10 @@ import dataclasses
 import ml_collections
 from ml_collections import config_dict
 
+from glm46_jax.balancing import BalanceConfig
 from glm46_jax.config import get_preset
+from glm46_jax.loss import LossConfig
+from glm46_jax.optim import OptimConfig
 
 # preset -> (model overrides, mesh, train, optim). Only what differs from the defaults below.
 _PRESETS = {
@@ -28,6 +31,9 @@ _PRESETS = {
         mesh=dict(data=-1),
         train=dict(steps=300, global_batch=16, seq_len=128, log_every=20, eval_every=100, eval_batches=4),
         optim=dict(lr=3e-3, end_lr=3e-4, warmup_steps=30),
+        # 300 steps x 2048 tokens = 614k tokens: both token-scheduled switches happen in the run.
+        loss=dict(mtp_boundary_tokens=400_000.0),
+        balance=dict(boundary_tokens=400_000.0),
     ),
     "small": dict(
         model=dict(remat="save_matmuls"),
@@ -71,11 +77,21 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.mesh = dict(data=1, tensor=1, expert=1, pipeline=1)
     c.mesh.update(p["mesh"])
 
-    c.train = dict(steps=1000, global_batch=16, seq_len=128, seed=0, log_every=50, eval_every=500, eval_batches=8)
+    # accum_steps: micro-batches per step (global_batch must divide); max_nonfinite: stop after
+    # this many non-finite steps in a row (each is skipped).
+    c.train = dict(steps=1000, global_batch=16, seq_len=128, seed=0, log_every=50, eval_every=500, eval_batches=8,
+                   accum_steps=1, max_nonfinite=10, tensorboard=True)
     c.train.update(p["train"])
 
-    c.optim = dict(lr=2.5e-4, end_lr=2.5e-5, warmup_steps=2000, weight_decay=0.1, clip=1.0,
-                   b1=0.9, b2=0.95, eps=1e-8, mtp_weight=0.3)
+    # Every OptimConfig field (glm46_jax/optim.py): Muon for hidden matrices, AdamW for the rest.
+    c.optim = dataclasses.asdict(OptimConfig(lr=2.5e-4, end_lr=2.5e-5, warmup_steps=2000))
     c.optim.update(p["optim"])
     c.optim.decay_steps = c.train.get_ref("steps")  # cosine ends with the run, through overrides too
+
+    # GLM-4.5 (GLM_SPEC §5.1): MTP lambda 0.3 -> 0.1 and bias rate 1e-3 -> 0 at 15T tokens,
+    # sequence aux loss 1e-4. Boundaries are in tokens (floats: 15e12 overflows an int32 flag parser).
+    c.loss = dataclasses.asdict(LossConfig())
+    c.loss.update(p.get("loss", {}))
+    c.balance = dataclasses.asdict(BalanceConfig())
+    c.balance.update(p.get("balance", {}))
     return c

@@ -1,4 +1,10 @@
-"""Training losses: vocab-parallel cross-entropy, next-token + MTP objective.
+"""Training losses: vocab-parallel cross-entropy, MTP, sequence balance aux loss, z-loss.
+
+    loss = ce + mtp_weight * mtp_ce + aux_weight * seq_aux + z_weight * z
+
+Every term is a *sum over this batch divided by a normaliser* (`Norms`) that the caller may fix
+for the whole global batch: gradient accumulation then sums micro-batch losses and gets exactly
+the gradient of one big batch (token means weighted by tokens, sequence means by sequences).
 
 The vocab axis of the logits is tensor-sharded. A gather of the label logit
 (`take_along_axis`, optax's integer-label CE) is ambiguous under Explicit sharding, so the
@@ -7,6 +13,9 @@ slice of the vocabulary and the sum over vocab becomes one small all-reduce.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +38,17 @@ def _laid_out_like(x: Array, ref: Array) -> Array:
 
 def token_nll(logits: Float[Array, "b s v"], labels: Int[Array, "b s"]) -> Float[Array, "b s"]:
     """-log softmax(logits)[label] per position, in fp32, without gathering along vocab."""
+    return _nll_and_lse(logits, labels)[0]
+
+
+def _nll_and_lse(logits, labels):
     logits = logits.astype(jnp.float32)
     layout = jax.typeof(logits).sharding
     if not layout.mesh.empty:
         labels = jax.sharding.reshard(labels, layout.update(spec=jax.P(*layout.spec[:-1])))
     one_hot = jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.float32, out_sharding=layout)
-    return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(logits * one_hot, axis=-1)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return lse - jnp.sum(logits * one_hot, axis=-1), lse
 
 
 def cross_entropy(logits: Float[Array, "b s v"], labels: Int[Array, "b s"],
@@ -46,34 +60,124 @@ def cross_entropy(logits: Float[Array, "b s v"], labels: Int[Array, "b s"],
     return jnp.sum(nll * mask) / jnp.maximum(tokens, 1.0), tokens
 
 
-def mtp_labels(targets: Int[Array, "b s"], mask: Array) -> tuple[Int[Array, "b s"], Array]:
+def mtp_labels(targets: Int[Array, "*b s"], mask: Array) -> tuple[Int[Array, "*b s"], Array]:
     """Labels for the MTP logits: row t predicts the token after targets[t], i.e. targets[t + 1].
 
     The batch carries targets = inputs shifted by one, so only the last row has no MTP target
     (from the inputs alone it would be the last two). `roll` wraps, so that row is masked out.
     """
-    s = targets.shape[1]
-    has_target = jnp.arange(s) < s - 1
-    return jnp.roll(targets, -1, axis=1), jnp.roll(mask, -1, axis=1) & has_target[None, :]
+    s = targets.shape[-1]
+    has_target = jnp.arange(s) < s - 1  # leading axes (micro-batches) broadcast
+    return jnp.roll(targets, -1, axis=-1), jnp.roll(mask, -1, axis=-1) & has_target
+
+
+def sequence_aux_loss(scores: Float[Array, "*l b s e"], mask: Array, k: int) -> Float[Array, "b"]:
+    """DeepSeek-V3 sequence-level balance loss per row, summed over layers (spec §5.2), unweighted.
+
+    Per row (sequence) and MoE layer, over its T valid tokens:
+      f_i = E / (k T) * #{t : i in TopK(s_t)}    top-k of the *unbiased* sigmoid scores (Megatron's
+                                                 compute_routing_scores_for_aux_loss), no gradient
+      P_i = 1/T * sum_t s_it / sum_j s_jt        scores normalised over all experts
+      L   = sum_i f_i P_i                        = 1 when routing is uniform
+    The "aux_loss" metric of `loss_fn` is this, averaged over rows (so ~ the number of layers).
+    `scores` may carry leading layer axes; rows without valid tokens give 0.
+    """
+    scores = scores.astype(jnp.float32)
+    e = scores.shape[-1]
+    layout = jax.typeof(scores).sharding
+    if not layout.mesh.empty:  # the mask on the scores' (batch, seq) layout
+        mask = jax.sharding.reshard(mask, layout.update(spec=jax.P(*layout.spec[-3:-1])))
+    m = jnp.broadcast_to(mask.astype(jnp.float32), scores.shape[:-1])[..., None]
+    valid = jnp.maximum(m.sum(-2), 1.0)  # [*l, b, 1]
+    _, top = jax.lax.top_k(jax.lax.stop_gradient(scores), k)
+    chosen = jnp.sum(jax.nn.one_hot(top, e, dtype=jnp.float32), axis=-2)  # [*l, b, s, e]
+    f = e / (k * valid) * jnp.sum(chosen * m, axis=-2)
+    p = jnp.sum(scores / jnp.sum(scores, -1, keepdims=True) * m, axis=-2) / valid
+    per_layer = jnp.sum(f * p, axis=-1)  # [*l, b]
+    return per_layer.reshape(-1, per_layer.shape[-1]).sum(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Static loss settings; the token-scheduled MTP weight arrives per step as a traced scalar."""
+    mtp: bool = True  # train the MTP layer
+    mtp_weight: float = 0.3  # lambda for the first `mtp_boundary_tokens` tokens (GLM-4.5: 15T) ...
+    mtp_weight_after: float = 0.1  # ... and after them
+    mtp_boundary_tokens: float = 15e12
+    aux_weight: float = 1e-4  # sequence balance loss alpha (GLM-4.5 report; Megatron-Bridge uses 1e-3)
+    aux_include_mtp: bool = True  # the MTP layer's router in the aux loss (unconfirmed for GLM, spec §5.3)
+    z_weight: float = 0.0  # z-loss on the output logits (PaLM: 1e-4); GLM reports none
+
+
+def mtp_weight_at(cfg: LossConfig, tokens_seen: int) -> float:
+    """lambda for a step that starts after `tokens_seen` tokens (host-side: exact Python ints)."""
+    if not cfg.mtp:
+        return 0.0
+    return cfg.mtp_weight if tokens_seen < cfg.mtp_boundary_tokens else cfg.mtp_weight_after
+
+
+Norms = dict[str, Array]  # "tokens", "mtp_tokens", "sequences": the global batch's counts
+
+
+def batch_norms(batch: Batch) -> Norms:
+    """The normalisers of `batch`: valid next-token targets, valid MTP targets, rows with a target."""
+    mask = _mask(batch)
+    return {"tokens": mask.sum().astype(jnp.float32),
+            "mtp_tokens": mtp_labels(batch["targets"], mask)[1].sum().astype(jnp.float32),
+            "sequences": mask.any(-1).sum().astype(jnp.float32)}
+
+
+def _mask(batch: Batch) -> Array:
+    targets = batch["targets"]
+    return batch["loss_mask"].astype(bool) if "loss_mask" in batch else jnp.ones(targets.shape, bool)
 
 
 def loss_fn(params: nnx.State, buffers: nnx.State, batch: Batch, graphdef: nnx.GraphDef, cfg: ModelConfig,
-            *, mtp_weight: float = 0.3) -> tuple[Float[Array, ""], dict[str, Array]]:
-    """ce(next token) + mtp_weight * ce(token after next); returns (loss, metrics).
+            loss_cfg: LossConfig = LossConfig(), mtp_weight: float | Array = 0.3,
+            norms: Norms | None = None) -> tuple[Float[Array, ""], dict[str, Any]]:
+    """The training objective of one (micro-)batch; returns (loss, metrics).
 
-    The mask comes from the batch, never from `pad_token_id`: GLM's pad id is its eos id
-    (151329), and masking it would stop the model from learning where documents end.
+    Metrics: the loss terms (each already divided by `norms`, so they add up over micro-batches),
+    "tokens", and router statistics: "expert_load" [moe layers, E] (global top-k counts) and
+    "dropped_frac" [moe layers], with the MTP layer's under "mtp_expert_load" / "mtp_dropped_frac".
+    `norms` defaults to this batch's own (`batch_norms`). The mask comes from the batch, never
+    from `pad_token_id`: GLM's pad id is its eos id (151329), and masking it would stop the model
+    from learning where documents end.
     """
     inputs, targets = batch["inputs"], batch["targets"]
-    mask = batch["loss_mask"].astype(bool) if "loss_mask" in batch else jnp.ones(targets.shape, bool)
-    use_mtp = mtp_weight > 0 and cfg.num_nextn_predict_layers > 0
-    out = apply(graphdef, params, buffers, inputs, with_mtp=use_mtp)
-    ce, tokens = cross_entropy(out.logits, targets, mask)
+    mask = _mask(batch)
+    norms = batch_norms(batch) if norms is None else norms
+    use_mtp = loss_cfg.mtp and cfg.num_nextn_predict_layers > 0
+    out = apply(graphdef, params, buffers, inputs, batch.get("positions"), batch.get("segment_ids"),
+                with_mtp=use_mtp)
+
+    def masked_sum(x, m):
+        return jnp.sum(x * _laid_out_like(m, x).astype(jnp.float32))
+
+    nll, lse = _nll_and_lse(out.logits, targets)
+    ce = masked_sum(nll, mask) / jnp.maximum(norms["tokens"], 1.0)
     loss = ce
-    metrics = {"ce": ce, "tokens": tokens}
+    metrics: dict[str, Any] = {"ce": ce, "tokens": mask.sum().astype(jnp.float32)}
+    if loss_cfg.z_weight > 0:
+        z = masked_sum(jnp.square(lse), mask) / jnp.maximum(norms["tokens"], 1.0)
+        loss, metrics["z_loss"] = loss + loss_cfg.z_weight * z, z
+
+    moe = "router_scores" in out.aux
+    aux_rows = jnp.zeros(targets.shape[:1], jnp.float32)
+    if moe:
+        aux_rows += sequence_aux_loss(out.aux["router_scores"], mask, cfg.num_experts_per_tok)
+        metrics["expert_load"], metrics["dropped_frac"] = out.aux["expert_load"], out.aux["dropped_frac"]
     if use_mtp:
-        mtp_ce, _ = cross_entropy(out.mtp_logits, *mtp_labels(targets, mask))
+        mtp_targets, mtp_mask = mtp_labels(targets, mask)
+        mtp_ce = masked_sum(token_nll(out.mtp_logits, mtp_targets), mtp_mask) / jnp.maximum(norms["mtp_tokens"], 1.0)
         loss = loss + mtp_weight * mtp_ce
         metrics["mtp_ce"] = mtp_ce
+        mtp_aux = out.aux["mtp"]
+        if loss_cfg.aux_include_mtp:
+            aux_rows += sequence_aux_loss(mtp_aux["router_scores"], mtp_mask, cfg.num_experts_per_tok)
+        metrics["mtp_expert_load"], metrics["mtp_dropped_frac"] = mtp_aux["expert_load"], mtp_aux["dropped_frac"]
+    if (moe or (use_mtp and loss_cfg.aux_include_mtp)) and loss_cfg.aux_weight > 0:
+        aux = jnp.sum(aux_rows) / jnp.maximum(norms["sequences"], 1.0)
+        loss, metrics["aux_loss"] = loss + loss_cfg.aux_weight * aux, aux
     metrics["loss"] = loss
     return loss, metrics

@@ -1,7 +1,6 @@
 """The optimizer: clip -> {Muon for hidden matrices, AdamW for the rest} under an LR schedule.
 
     tx, schedule = build_optimizer(OptimConfig(...), params)     # GLM-4.5 recipe (Muon)
-    tx, schedule = adamw(OptimConfig(...))                        # plain AdamW (the first baseline)
 
 train_step stays optimizer-agnostic: it only sees an `optax.GradientTransformation`.
 
@@ -36,7 +35,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 LAYER_STACKS = ("dense_layers", "moe_layers")  # leaves under these carry a leading, unsharded "layers" axis
 
@@ -91,7 +89,7 @@ class OptimConfig:
     end_lr: float = 2.5e-5
     warmup_steps: int = 2000
     decay_steps: int = 100_000  # total schedule length, warmup included (optax convention)
-    weight_decay: float = 0.1  # AdamW (`adamw`) and Muon leaves (`build_optimizer`)
+    weight_decay: float = 0.1  # Muon leaves (decoupled, times the lr)
     clip: float = 1.0  # global grad-norm clip
     b1: float = 0.9
     b2: float = 0.95
@@ -149,31 +147,6 @@ def make_schedule(cfg: OptimConfig) -> optax.Schedule:
         return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, w), optax.constant_schedule(cfg.lr)],
                                     boundaries=[w])
     raise ValueError(f"schedule={cfg.schedule!r}: expected one of {SCHEDULES}")
-
-
-# --- plain AdamW (kept: the baseline and the tests that use it) --------------------------------
-
-def _is_decayed(path, _) -> bool:
-    # Decay matrices only. Norm weights and biases are stacked per layer in the scanned blocks
-    # ([layers, d]), so `ndim >= 2` cannot tell them apart: go by name (`*norm`, `*_bias`).
-    names = [str(getattr(key, "key", "")) for key in path]
-    return not any(n.endswith(("norm", "_bias")) for n in names)
-
-
-def weight_decay_mask(params: nnx.State):
-    """True for every parameter that gets weight decay (all matrices; no norms, no biases)."""
-    return jax.tree_util.tree_map_with_path(_is_decayed, params)
-
-
-def adamw(cfg: OptimConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The transformation and its schedule (the schedule is returned so the step can log the lr)."""
-    schedule = lr_schedule(cfg)
-    tx = optax.chain(
-        optax.clip_by_global_norm(cfg.clip),
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                    mask=weight_decay_mask),
-    )
-    return tx, schedule
 
 
 # --- Muon + AdamW -------------------------------------------------------------------------------
@@ -300,12 +273,15 @@ def sharded_update(tx: optax.GradientTransformation) -> optax.GradientTransforma
     return optax.GradientTransformation(tx.init, update)
 
 
-def build_optimizer(cfg: OptimConfig, params: Any = None, *,
-                    sharded: bool = True) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def build_optimizer(cfg: OptimConfig, params: Any = None, *, sharded: bool = True,
+                    skip_nonfinite: bool = True) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """clip_by_global_norm(clip) -> Muon/AdamW (`muon_adamw`), and its schedule (`make_schedule`).
 
     `params` (nnx.State or abstract) only validates the grouping up front; the labels are computed
     from whatever tree `init`/`update` see. `sharded=True` wraps the result in `sharded_update`.
+    `skip_nonfinite=True` wraps it in `optax.apply_if_finite`: a gradient with a NaN/Inf anywhere
+    leaves params and moments untouched and is counted in the state (`notfinite_count`,
+    `total_notfinite`); it never gives up and applies one, the training loop stops the run instead.
     """
     for name in ("router_optimizer", "head_optimizer"):
         if getattr(cfg, name) not in ("adam", "muon"):
@@ -314,7 +290,10 @@ def build_optimizer(cfg: OptimConfig, params: Any = None, *,
     if params is not None:
         param_labels(params, cfg)  # raises early on an unexpected tree
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip), muon_adamw(cfg, schedule))
-    return (sharded_update(tx) if sharded else tx), schedule
+    tx = sharded_update(tx) if sharded else tx
+    if skip_nonfinite:
+        tx = optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 2)
+    return tx, schedule
 
 
 def describe(params, cfg: OptimConfig = OptimConfig()) -> dict[str, tuple[str, str]]:

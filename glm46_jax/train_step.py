@@ -1,8 +1,14 @@
 """The train state and the pure, jitted training step.
 
     state = init_state(params, buffers, tx)
-    step = make_train_step(graphdef, tx, cfg, lr_schedule=schedule)
-    state, metrics = step(state, batch)            # params/opt_state donated
+    step = make_train_step(graphdef, tx, cfg, StepConfig(accum_steps=4), lr_schedule=schedule)
+    state, metrics = step(state, batch, controls)      # state donated
+
+One step: gradients of `loss_fn` summed over `accum_steps` micro-batches (`lax.scan`), the optax
+update (skipped when the gradient is not finite: `optax.apply_if_finite` inside
+`optim.build_optimizer`), then the loss-free balancing bias step from the global batch's expert
+loads. `controls` carries the token-scheduled scalars (`mtp_weight`, `bias_rate`): the host
+counts tokens exactly in Python ints, which float32/int32 on device could not at 15T tokens.
 
 Everything the step touches is a pytree (nnx.State, optax state); the NNX module only exists
 inside `loss_fn`, rebuilt from the graphdef on every trace.
@@ -10,6 +16,7 @@ inside `loss_fn`, rebuilt from the graphdef on every trace.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -19,16 +26,30 @@ import optax
 from flax import nnx, struct
 from jaxtyping import Array, Int
 
+from glm46_jax import balancing
 from glm46_jax.config import ModelConfig
-from glm46_jax.loss import Batch, loss_fn
+from glm46_jax.loss import Batch, LossConfig, batch_norms, loss_fn
+
+Controls = dict[str, Array]  # "mtp_weight", "bias_rate": float32 scalars chosen by the host per step
 
 
 @struct.dataclass
 class TrainState:
-    step: Int[Array, ""]
+    step: Int[Array, ""]  # steps attempted (skipped non-finite steps included)
     params: nnx.State  # nnx.Param leaves: differentiated and optimised
-    buffers: nnx.State  # e_score_correction_bias: carried along, not trained (balancing comes later)
+    buffers: nnx.State  # e_score_correction_bias per MoE layer: moved only by loss-free balancing
     opt_state: optax.OptState
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    loss: LossConfig = LossConfig()
+    balance_mtp: bool = True  # the MTP router's bias takes part in loss-free balancing
+    accum_steps: int = 1  # micro-batches per step; the batch then has a leading [accum_steps] axis
+
+
+def controls(mtp_weight: float, bias_rate: float) -> Controls:
+    return {"mtp_weight": jnp.float32(mtp_weight), "bias_rate": jnp.float32(bias_rate)}
 
 
 def init_state(params: nnx.State, buffers: nnx.State, tx: optax.GradientTransformation) -> TrainState:
@@ -45,36 +66,83 @@ def init_state(params: nnx.State, buffers: nnx.State, tx: optax.GradientTransfor
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, buffers=buffers, opt_state=init(params))
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: ModelConfig, *,
-                    mtp_weight: float = 0.3,
-                    lr_schedule: optax.Schedule | None = None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-    """step(state, batch) -> (state, metrics), jitted once with the state donated.
+def _finite_state(opt_state) -> optax.ApplyIfFiniteState | None:
+    return opt_state if isinstance(opt_state, optax.ApplyIfFiniteState) else None
 
-    Trace and call it inside `sharding.use_mesh(mesh)`. Metrics are scalars: loss, ce, mtp_ce,
-    tokens, grad_norm (before clipping), update_norm and lr.
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: ModelConfig,
+                    step_cfg: StepConfig = StepConfig(), *,
+                    lr_schedule: optax.Schedule | None = None
+                    ) -> Callable[[TrainState, Batch, Controls], tuple[TrainState, dict]]:
+    """step(state, batch, controls) -> (state, metrics), jitted once with the state donated.
+
+    Trace and call it inside `sharding.use_mesh(mesh)`. With accum_steps = A > 1 every batch
+    array is [A, b, s]; the loss terms are normalised by the whole batch's token / sequence
+    counts, so the summed gradient equals one [A*b, s] batch's. Metrics are scalars.
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    accum = step_cfg.accum_steps
+    if accum < 1:
+        raise ValueError(f"accum_steps={accum}: must be >= 1")
 
-    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
-        (_, metrics), grads = grad_fn(state.params, state.buffers, batch, graphdef, cfg, mtp_weight=mtp_weight)
-        # Muon's X @ X.T runs under auto_axes inside tx (optim.sharded_update, STYLE B2); every
-        # moment keeps its parameter's layout.
+    def grads_and_metrics(params, buffers, batch, mtp_weight):
+        norms = batch_norms(batch)  # of the whole batch, all micro-batches
+        run = lambda mb: grad_fn(params, buffers, mb, graphdef, cfg, step_cfg.loss, mtp_weight, norms)
+        if accum == 1:
+            (_, metrics), grads = run(batch)
+            return grads, metrics
+
+        def body(total, micro_batch):
+            (_, metrics), grads = run(micro_batch)
+            return jax.tree.map(jnp.add, total, (grads, metrics)), None
+
+        first = jax.tree.map(lambda x: x[0], batch)
+        shapes = jax.eval_shape(run, first)
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, out_sharding=x.sharding), (shapes[1], shapes[0][1]))
+        (grads, metrics), _ = jax.lax.scan(body, zeros, batch)
+        for key in ("dropped_frac", "mtp_dropped_frac"):  # fractions average, everything else adds up
+            if key in metrics:
+                metrics[key] = metrics[key] / accum
+        return grads, metrics
+
+    def step(state: TrainState, batch: Batch, ctrl: Controls) -> tuple[TrainState, dict[str, Any]]:
+        grads, metrics = grads_and_metrics(state.params, state.buffers, batch, ctrl["mtp_weight"])
+        before = _finite_state(state.opt_state)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "update_norm": optax.tree.norm(updates)}
-        if lr_schedule is not None:
-            metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        return new_state, metrics
+        after = _finite_state(opt_state)
+        applied = after.notfinite_count == 0 if after is not None else jnp.bool_(True)
+
+        # Balancing uses this step's loads; a skipped step moves nothing.
+        rate = jnp.where(applied, ctrl["bias_rate"], 0.0)
+        buffers = balancing.update_buffers(state.buffers, metrics, rate, include_mtp=step_cfg.balance_mtp)
+
+        n_params = sum(x.size for x in jax.tree.leaves(params))
+        out = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
+        out.update(balancing.describe_loads(metrics))
+        out.update({f"bias_{k}": v for k, v in balancing.bias_stats(buffers).items()})
+        out.update(ppl=jnp.exp(metrics["ce"]), grad_norm=optax.tree.norm(grads),
+                   update_rms=optax.tree.norm(updates) / jnp.sqrt(n_params),
+                   mtp_weight=ctrl["mtp_weight"], bias_rate=rate)
+        if after is not None:
+            out.update(skipped=1 - applied.astype(jnp.int32), nonfinite_in_a_row=after.notfinite_count,
+                       nonfinite_total=after.total_notfinite)
+        if lr_schedule is not None:  # the lr of this update: optax counts applied updates only
+            applied_before = state.step - (before.total_notfinite if before is not None else 0)
+            out["lr"] = jnp.asarray(lr_schedule(applied_before), jnp.float32)
+        new_state = state.replace(step=state.step + 1, params=params, buffers=buffers, opt_state=opt_state)
+        return new_state, out
 
     return jax.jit(step, donate_argnums=(0,))
 
 
-def make_eval_step(graphdef: nnx.GraphDef, cfg: ModelConfig, *,
-                   mtp_weight: float = 0.3) -> Callable[[TrainState, Batch], dict[str, Array]]:
-    """eval(state, batch) -> the loss metrics, no gradients (call inside `sharding.use_mesh`)."""
+def make_eval_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
+                   loss_cfg: LossConfig = LossConfig()) -> Callable[[TrainState, Batch, Controls], dict[str, Array]]:
+    """eval(state, batch, controls) -> loss metrics and perplexity, no gradients (inside `use_mesh`)."""
 
-    def evaluate(state: TrainState, batch: Batch) -> dict[str, Array]:
-        return loss_fn(state.params, state.buffers, batch, graphdef, cfg, mtp_weight=mtp_weight)[1]
+    def evaluate(state: TrainState, batch: Batch, ctrl: Controls) -> dict[str, Array]:
+        metrics = loss_fn(state.params, state.buffers, batch, graphdef, cfg, loss_cfg, ctrl["mtp_weight"])[1]
+        out = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
+        return {**out, "ppl": jnp.exp(metrics["ce"])}
 
     return jax.jit(evaluate)

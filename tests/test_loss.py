@@ -7,7 +7,8 @@ import pytest
 
 from glm46_jax import sharding
 from glm46_jax.config import get_preset
-from glm46_jax.loss import cross_entropy, loss_fn, mtp_labels, token_nll
+from glm46_jax.balancing import BalanceConfig, rate_at
+from glm46_jax.loss import LossConfig, cross_entropy, loss_fn, mtp_labels, mtp_weight_at, sequence_aux_loss, token_nll
 from glm46_jax.model import apply, init_model
 
 
@@ -94,36 +95,116 @@ def tiny_case(mesh1):
     return cfg, graphdef, params, buffers, x, batch
 
 
-def test_loss_fn_matches_hand_computed_next_token_and_mtp_ce(mesh1, tiny_case):
+def np_seq_aux(scores, mask, k):
+    """float64 DeepSeek-V3 sequence balance loss, loop form: per row sum_i f_i P_i, summed over layers."""
+    scores = np.asarray(scores, np.float64).reshape(-1, *scores.shape[-3:])  # [layers, b, s, e]
+    n_layers, b, s, e = scores.shape
+    out = np.zeros(b)
+    for layer in range(n_layers):
+        for row in range(b):
+            valid = [t for t in range(s) if mask[row, t]]
+            if not valid:
+                continue
+            f, p = np.zeros(e), np.zeros(e)
+            for t in valid:
+                f[np.argsort(-scores[layer, row, t], kind="stable")[:k]] += 1
+                p += scores[layer, row, t] / scores[layer, row, t].sum()
+            out[row] += (e / (k * len(valid)) * f) @ (p / len(valid))
+    return out
+
+
+def test_sequence_aux_loss_matches_numpy_and_is_one_when_uniform():
+    rng = np.random.default_rng(3)
+    scores = rng.random((2, 3, 5, 8)).astype(np.float32)  # 2 layers, 3 rows, 5 tokens, 8 experts
+    mask = rng.random((3, 5)) < 0.7
+    mask[2] = False
+    got = np.asarray(sequence_aux_loss(jnp.asarray(scores), jnp.asarray(mask), 2))
+    np.testing.assert_allclose(got, np_seq_aux(scores, mask, 2), rtol=1e-5)
+    assert got[2] == 0.0
+    # Perfectly balanced: every expert chosen equally often and equal normalised scores -> exactly 1.
+    e, k = 4, 2
+    balanced = np.full((1, 2, e), 0.1, np.float32)
+    balanced[0, 0, :2] = balanced[0, 1, 2:] = 0.9  # token 0 picks {0, 1}, token 1 picks {2, 3}
+    got = float(sequence_aux_loss(jnp.asarray(balanced), jnp.ones((1, 2), bool), k)[0])
+    np.testing.assert_allclose(got, 1.0, rtol=1e-6)
+    # All tokens on the same two experts: f = (2, 2, 0, 0), P = (0.45, 0.45, 0.05, 0.05) -> 1.8.
+    skewed = np.tile(balanced[:, :1], (1, 2, 1))
+    np.testing.assert_allclose(float(sequence_aux_loss(jnp.asarray(skewed), jnp.ones((1, 2), bool), k)[0]),
+                               2 * 0.45 * 2, rtol=1e-6)
+
+
+def test_loss_fn_matches_hand_computed_terms(mesh1, tiny_case):
+    """ce + 0.3 mtp_ce + 1e-4 aux + 1e-3 z, every term from the model's outputs in float64."""
     cfg, graphdef, params, buffers, x, batch = tiny_case
+    loss_cfg = LossConfig(aux_weight=1e-4, z_weight=1e-3)
     with sharding.use_mesh(mesh1):
         out = jax.jit(lambda p, b, t: apply(graphdef, p, b, t))(params, buffers, batch["inputs"])
-        loss, metrics = jax.jit(lambda p, b, batch: loss_fn(p, b, batch, graphdef, cfg, mtp_weight=0.3))(
+        loss, metrics = jax.jit(lambda p, b, batch: loss_fn(p, b, batch, graphdef, cfg, loss_cfg, 0.3))(
             params, buffers, batch)
-    logits, mtp_logits = np.asarray(out.logits), np.asarray(out.mtp_logits)
+    logits, mtp_logits = np.asarray(out.logits, np.float64), np.asarray(out.mtp_logits)
     mask = np.asarray(batch["loss_mask"])
     s = x.shape[1] - 1
     ce = np_masked_mean(np_nll(logits, x[:, 1:]), mask)
     # Written out by position: MTP row t scores x[t + 2]; valid for t + 2 <= s, masked like that target.
     num = den = 0.0
+    mtp_mask = np.zeros_like(mask)
     for b in range(x.shape[0]):
         for t in range(s - 1):
             if mask[b, t + 1]:
                 num += np_nll(mtp_logits[b, t], x[b, t + 2])
                 den += 1
+                mtp_mask[b, t] = True
     mtp_ce = num / den
+    lse = np.log(np.exp(logits).sum(-1))
+    z = np_masked_mean(lse ** 2, mask)
+    aux_rows = (np_seq_aux(np.asarray(out.aux["router_scores"]), mask, cfg.num_experts_per_tok)
+                + np_seq_aux(np.asarray(out.aux["mtp"]["router_scores"]), mtp_mask, cfg.num_experts_per_tok))
+    aux = aux_rows.sum() / mask.any(-1).sum()
     np.testing.assert_allclose(float(metrics["ce"]), ce, rtol=2e-5)
     np.testing.assert_allclose(float(metrics["mtp_ce"]), mtp_ce, rtol=2e-5)
-    np.testing.assert_allclose(float(loss), ce + 0.3 * mtp_ce, rtol=2e-5)
+    np.testing.assert_allclose(float(metrics["z_loss"]), z, rtol=2e-5)
+    np.testing.assert_allclose(float(metrics["aux_loss"]), aux, rtol=2e-5)
+    assert 2.0 < aux < 4.0  # 2 trunk MoE layers + MTP, each ~1 for a near-uniform random router
+    np.testing.assert_allclose(float(loss), ce + 0.3 * mtp_ce + 1e-4 * aux + 1e-3 * z, rtol=2e-5)
     assert float(metrics["loss"]) == float(loss) and float(metrics["tokens"]) == mask.sum()
+    assert metrics["expert_load"].shape == (cfg.num_moe_layers, cfg.n_routed_experts)
+    # Each token picks k experts in each layer: the loads count the whole batch (mask-blind routing).
+    assert (np.asarray(metrics["expert_load"]).sum(-1) == x[:, :-1].size * cfg.num_experts_per_tok).all()
+
+
+def test_aux_loss_gradient_reaches_only_the_router(mesh1, tiny_case):
+    """d(aux)/d(router) is nonzero; past the last router (its layer's experts, the head) it is exactly 0."""
+    cfg, graphdef, params, buffers, _, batch = tiny_case
+    only_aux = LossConfig(mtp=False, aux_weight=1.0)
+
+    def aux_only(p):
+        loss, m = loss_fn(p, buffers, batch, graphdef, cfg, only_aux, 0.0)
+        return loss - m["ce"]
+
+    with sharding.use_mesh(mesh1):
+        grads = jax.jit(jax.grad(aux_only))(params)
+    moe = grads["moe_layers"]["mlp"]
+    assert float(jnp.abs(moe["router"][...]).max()) > 0
+    assert float(jnp.abs(moe["gate_proj"][...][-1]).max()) == 0.0  # feeds no later router
+    assert float(jnp.abs(moe["gate_proj"][...][0]).max()) > 0  # feeds the last layer's router
+    assert float(jnp.abs(grads["lm_head"][...]).max()) == 0.0
 
 
 def test_loss_fn_without_mtp(mesh1, tiny_case):
     cfg, graphdef, params, buffers, _, batch = tiny_case
     batch = {k: v for k, v in batch.items() if k != "loss_mask"}  # no mask: every position counts
     with sharding.use_mesh(mesh1):
-        loss, metrics = jax.jit(lambda p, b, batch: loss_fn(p, b, batch, graphdef, cfg, mtp_weight=0.0))(
+        loss, metrics = jax.jit(lambda p, b, batch: loss_fn(p, b, batch, graphdef, cfg,
+                                                            LossConfig(mtp=False, aux_weight=0.0)))(
             params, buffers, batch)
-    assert "mtp_ce" not in metrics and float(loss) == float(metrics["ce"])
+    assert "mtp_ce" not in metrics and "aux_loss" not in metrics and float(loss) == float(metrics["ce"])
     assert float(metrics["tokens"]) == batch["targets"].size
     assert abs(float(loss) - np.log(cfg.vocab_size)) < 0.1  # untrained: about uniform over the vocab
+
+
+def test_token_schedules_switch_at_the_boundary():
+    loss_cfg = LossConfig(mtp_weight=0.3, mtp_weight_after=0.1, mtp_boundary_tokens=1000.0)
+    assert [mtp_weight_at(loss_cfg, t) for t in (0, 999, 1000, 5000)] == [0.3, 0.3, 0.1, 0.1]
+    assert mtp_weight_at(LossConfig(mtp=False), 0) == 0.0
+    bal = BalanceConfig(rate=1e-3, rate_after=0.0, boundary_tokens=15e12)
+    assert [rate_at(bal, t) for t in (0, 15 * 10**12 - 1, 15 * 10**12)] == [1e-3, 1e-3, 0.0]

@@ -1,0 +1,188 @@
+"""Training metrics on the host: peak FLOP/s, MFU, device memory, and a JSONL + TensorBoard writer.
+
+Nothing here is jitted: these run between steps on values already fetched to the host.
+The MFU numerator comes from `glm46_jax.counting.flops_per_token(cfg, seq_len)`; the denominator
+is `peak_flops` (datasheet) where the chip is known, else `measure_matmul_peak` (e.g. on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any, Self
+
+import jax
+import jax.numpy as jnp
+
+# Dense (no 2:4 sparsity) per-chip peak FLOP/s from the vendors' datasheets / whitepapers; the
+# datasheets' headline tensor-core numbers are the sparse ones, i.e. twice these.
+# Keys are case-insensitive substrings of `jax.Device.device_kind`; the longest matching key wins,
+# so "H100 PCIe" beats "H100" and "TPU v5 lite" (v5e) beats "TPU v5" (v5p's device_kind).
+# float32 on NVIDIA is the plain (non-tensor-core) FP32 rate: XLA's default matmul precision may use
+# TF32 tensor cores instead (H100 SXM: 494.7e12), so a float32 MFU against this can exceed 1.
+# TPUs have no float32 datasheet number (the MXU emulates it with bf16 passes): lookups give None.
+# An empty entry shadows a shorter key that would otherwise match a different chip.
+PEAK_FLOPS_PER_DEVICE: dict[str, dict[str, float]] = {
+    # Hopper. "NVIDIA H100 80GB HBM3" is the SXM part; GH200's device_kind contains "H200" and its
+    # GPU has the same rates as H100 SXM.
+    "H100": {"bfloat16": 989.4e12, "float32": 66.9e12},
+    "H100 PCIe": {"bfloat16": 756e12, "float32": 51.2e12},
+    "H100 NVL": {"bfloat16": 835.5e12, "float32": 60e12},
+    "H200": {"bfloat16": 989.4e12, "float32": 66.9e12},
+    "H200 NVL": {"bfloat16": 835.5e12, "float32": 60e12},
+    "H800": {"bfloat16": 989.4e12, "float32": 66.9e12},
+    "H800 PCIe": {"bfloat16": 756e12, "float32": 51.2e12},
+    # Ampere / Ada.
+    "A100": {"bfloat16": 312e12, "float32": 19.5e12},
+    "A10": {"bfloat16": 125e12, "float32": 31.2e12},
+    "A10G": {},  # AWS's A10 variant has lower clocks and no public datasheet: unknown, not A10's
+    "L4": {"bfloat16": 121e12, "float32": 30.3e12},
+    # Blackwell: no per-GPU dense FP32 number on the HGX datasheet, so bf16 only.
+    "B200": {"bfloat16": 2.25e15},
+    "GB200": {"bfloat16": 2.5e15},
+    # TPUs, per chip (v4 onwards is one JAX device per chip).
+    "TPU v4": {"bfloat16": 275e12},
+    "TPU v4 lite": {},  # v4i, an inference chip: not v4's rate
+    "TPU v5": {"bfloat16": 459e12},  # v5p reports device_kind "TPU v5"
+    "TPU v5p": {"bfloat16": 459e12},
+    "TPU v5 lite": {"bfloat16": 197e12},
+    "TPU v5e": {"bfloat16": 197e12},
+    "TPU v6 lite": {"bfloat16": 918e12},
+    "TPU v6e": {"bfloat16": 918e12},
+}
+
+
+def peak_flops(device: jax.Device, dtype: str) -> float | None:
+    """Datasheet dense peak FLOP/s of one `device` for matmuls in `dtype`; None when not in the table.
+
+    `dtype` is a name, "bfloat16" or "float32". CPUs are never in the table: use
+    `measure_matmul_peak` there.
+    """
+    kind = device.device_kind.lower()
+    matches = [key for key in PEAK_FLOPS_PER_DEVICE if key.lower() in kind]
+    if not matches:
+        return None
+    return PEAK_FLOPS_PER_DEVICE[max(matches, key=len)].get(dtype)
+
+
+def measure_matmul_peak(
+    dtype: str = "float32",
+    sizes: tuple[int, ...] = (1024, 2048),
+    repeats: int = 5,
+    device: jax.Device | None = None,
+) -> float:
+    """Best measured FLOP/s of a square `a @ b` (2 n^3 FLOPs) on `device` over `sizes` and `repeats`.
+
+    The best, not the mean: it stands in for a datasheet peak, the most the device does on a plain
+    matmul, so scheduler noise should not lower it. Compilation and a first run are excluded.
+    """
+    device = device or jax.devices()[0]
+    matmul = jax.jit(jnp.matmul)
+    best = 0.0
+    for n in sizes:
+        ka, kb = jax.random.split(jax.random.key(n))
+        a = jax.device_put(jax.random.normal(ka, (n, n), dtype), device)
+        b = jax.device_put(jax.random.normal(kb, (n, n), dtype), device)
+        matmul(a, b).block_until_ready()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            matmul(a, b).block_until_ready()
+            best = max(best, 2 * n**3 / (time.perf_counter() - start))
+    return best
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, num_devices: int, peak_per_device: float) -> float:
+    """Model FLOPs utilisation: flops_per_token * tokens_per_s / (num_devices * peak_per_device).
+
+    `flops_per_token` is the model's training FLOPs per token, `glm46_jax.counting.flops_per_token`:
+    6 x (matmul weights each token touches: attention projections, dense FFNs, router, the k routed
+    + shared experts, MTP, output head) + causal attention, 6 * seq_len * heads * head_dim per layer.
+    Remat recompute is not counted, so this is model FLOPs, not hardware FLOPs.
+    `tokens_per_s` is global (all devices); `peak_per_device` is `peak_flops` or `measure_matmul_peak`.
+    """
+    return flops_per_token * tokens_per_s / (num_devices * peak_per_device)
+
+
+def device_memory_peak_bytes(device: jax.Device | None = None) -> int | None:
+    """Peak bytes in use on `device` (default: the first device) since the process started.
+
+    GPU/TPU: the allocator's `peak_bytes_in_use`. CPU has no such statistic, so it is the host
+    process's peak resident set size (ru_maxrss), which covers everything the process holds, not
+    only arrays. None when neither is available.
+    """
+    device = device or jax.devices()[0]
+    stats = device.memory_stats()
+    if stats and "peak_bytes_in_use" in stats:
+        return int(stats["peak_bytes_in_use"])
+    if device.platform == "cpu":
+        max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(max_rss if sys.platform == "darwin" else max_rss * 1024)  # macOS: bytes; Linux: KiB
+    return None
+
+
+def _json_float(value: float) -> float | None:
+    # Standard JSON has no NaN/Infinity (Python's own "NaN" output breaks strict readers): use null.
+    return value if math.isfinite(value) else None
+
+
+class MetricWriter:
+    """Scalars per step to `run_dir/metrics.jsonl` and TensorBoard events in `run_dir/tensorboard/`.
+
+    Each `write` appends one JSON line `{"step": step, **scalars}` and flushes both outputs, so a
+    run can be watched while it goes. Values become Python floats; non-finite ones are `null` in
+    the JSONL (JSON cannot hold NaN/inf) and are kept as-is in TensorBoard. The JSONL is truncated
+    at construction: one fresh log per run, even when `run_dir` is reused.
+    With `enabled=False` (processes other than 0 in a multi-host run) every method does nothing
+    and nothing is created on disk.
+    """
+
+    def __init__(self, run_dir: str, *, enabled: bool = True, tensorboard: bool = True):
+        self.run_dir = run_dir
+        self._jsonl = None
+        self._tensorboard = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        # Not a with-block: the file stays open across writes and is closed in close().
+        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "w")  # noqa: SIM115
+        if tensorboard:
+            # Imported here: tensorboardX pulls in protobuf, which `import glm46_jax.metrics` should not pay for.
+            from tensorboardX import SummaryWriter
+
+            self._tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def write(self, step: int, scalars: Mapping[str, Any]) -> None:
+        """Record `scalars` (Python, NumPy or 0-d JAX numbers) at `step`."""
+        if self._jsonl is None:
+            return
+        values = {name: float(value) for name, value in scalars.items()}
+        record = {"step": int(step), **{name: _json_float(v) for name, v in values.items()}}
+        self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
+        self._jsonl.flush()
+        if self._tensorboard is not None:
+            for name, value in values.items():
+                self._tensorboard.add_scalar(name, value, int(step))
+            self._tensorboard.flush()
+
+    def close(self) -> None:
+        """Flush and close the files; calling it again does nothing."""
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

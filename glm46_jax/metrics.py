@@ -109,6 +109,21 @@ def mfu(flops_per_token: float, tokens_per_s: float, num_devices: int, peak_per_
     return flops_per_token * tokens_per_s / (num_devices * peak_per_device)
 
 
+def system_peak(devices: Sequence[jax.Device]) -> tuple[float | None, str]:
+    """(peak FLOP/s of `devices` together, where the number comes from) for MFU.
+
+    Accelerators: datasheet dense bf16 x device count (the usual MFU convention, whatever the
+    compute dtype). CPU: the host's measured fp32 matmul throughput, not multiplied: virtual CPU
+    devices (--xla_force_host_platform_device_count) share the same cores.
+    """
+    if devices[0].platform == "cpu":
+        return measure_matmul_peak("float32", device=devices[0]), "measured fp32 matmul, host"
+    per_device = peak_flops(devices[0], "bfloat16")
+    if per_device is None:
+        return None, f"no datasheet peak for {devices[0].device_kind!r}"
+    return per_device * len(devices), f"datasheet dense bf16 x {len(devices)}"
+
+
 def device_memory_peak_bytes(device: jax.Device | None = None) -> int | None:
     """Peak bytes in use on `device` (default: the first device) since the process started.
 

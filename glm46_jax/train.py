@@ -21,7 +21,7 @@ import jax
 import ml_collections
 import numpy as np
 import optax
-from absl import app, logging
+from absl import app, flags, logging
 from ml_collections import config_flags
 from tqdm import tqdm
 
@@ -35,8 +35,6 @@ from glm46_jax.model import init_model
 from glm46_jax.optim import OptimConfig, build_optimizer
 from glm46_jax.train_step import StepConfig, TrainState, controls, init_state, make_eval_step, make_train_step
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file, e.g. configs/pretrain.py:tiny.",
-                                          lock_config=True)
 _END_WINDOW = 10  # "end loss" = mean over this many final steps: one noisy batch says little
 
 
@@ -97,19 +95,6 @@ def build(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | Non
                flops_per_token=flops_per_token(model_cfg, tcfg.seq_len))
 
 
-def peak_flops_total(mesh: jax.sharding.Mesh, dtype: str) -> tuple[float | None, str]:
-    """(peak FLOP/s of all the mesh's devices, where the number comes from).
-
-    Accelerators: the datasheet table times the device count. CPU: the host's measured fp32
-    matmul throughput, once: virtual CPU devices share the same cores, so it is not multiplied.
-    """
-    devices = mesh.devices.flatten()
-    if devices[0].platform == "cpu":
-        return metrics.measure_matmul_peak("float32", device=devices[0]), "measured fp32 matmul (host)"
-    per_device = metrics.peak_flops(devices[0], dtype)
-    return (None, "unknown device") if per_device is None else (per_device * len(devices), f"datasheet {dtype}")
-
-
 def _scalars(values: dict[str, Any], prefix: str) -> dict[str, float]:
     return {f"{prefix}/{k}": float(v) for k, v in jax.device_get(values).items()}
 
@@ -131,7 +116,7 @@ def train(config: ml_collections.ConfigDict,
     state = run.state
     run.state = None  # the loop owns the state (the step donates it)
     tokens_per_step = tcfg.global_batch * tcfg.seq_len
-    peak, peak_source = peak_flops_total(run.mesh, run.model_cfg.dtype)
+    peak, peak_source = metrics.system_peak(list(run.mesh.devices.flatten()))
     logging.info("MFU peak: %s (%s); %.3g model FLOPs per token", peak, peak_source, run.flops_per_token)
 
     # --- Data --------------------------------------------------------------------------------
@@ -231,8 +216,11 @@ def main(argv):
     del argv
     if jax.process_index() != 0:
         logging.set_verbosity(logging.WARNING)
-    train(_CONFIG.value)
+    train(flags.FLAGS.config)
 
 
 if __name__ == "__main__":
+    # Defined here, not at import: bench and train each own a --config flag.
+    config_flags.DEFINE_config_file("config", None, "Training config file, e.g. configs/pretrain.py:tiny.",
+                                      lock_config=True)
     app.run(main)

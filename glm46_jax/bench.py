@@ -1,0 +1,120 @@
+"""Training-step benchmark: warm-up + K timed steps of the real train step on synthetic tokens.
+
+    python -m glm46_jax.bench --config=configs/pretrain.py:tiny [--steps=20 --warmup=3 --out=bench.json]
+    python -m glm46_jax.bench --config=configs/pretrain.py:small --config.train.global_batch=8
+
+The step is exactly `train`'s (`train.build`: Muon + AdamW, loss-free balancing, MTP and aux
+losses, accumulation and remat from the config); tokens are uniform random ids, which cost the
+same FLOPs as text. Prints a table and one JSON line; `--out` also writes the JSON.
+
+MFU = flops_per_token x tokens/s / peak, with flops_per_token = 6 x (matmul weights a token
+touches) + causal attention (`counting.flops_per_token`; remat recompute not counted). The peak:
+on accelerators the datasheet dense bf16 number x device count (`metrics.PEAK_FLOPS_PER_DEVICE`);
+on CPU the host's own measured fp32 matmul throughput (all virtual devices share its cores).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from glm46_jax import metrics, sharding
+from glm46_jax.train import build
+
+_STEPS = flags.DEFINE_integer("steps", 20, "Timed steps.")
+_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps after compilation.")
+_OUT = flags.DEFINE_string("out", None, "Also write the JSON result here.")
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def bench(config: ml_collections.ConfigDict, steps: int = 20, warmup: int = 3,
+          devices: Sequence[jax.Device] | None = None) -> dict[str, Any]:
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
+    run = build(config, devices)
+    state, run.state = run.state, None
+    tcfg = config.train
+    rng = np.random.default_rng(tcfg.seed)
+    x = rng.integers(0, run.model_cfg.vocab_size, (tcfg.global_batch, tcfg.seq_len + 1)).astype(np.int32)
+    devs = list(run.mesh.devices.flatten())
+    with sharding.use_mesh(run.mesh):
+        batch = run.device_batch({"inputs": x[:, :-1], "targets": x[:, 1:]})
+        ctrl = run.controls_at(0)  # MTP weight 0.3, balancing rate 1e-3: everything on
+        t0 = time.perf_counter()
+        step = run.train_step.lower(state, batch, ctrl).compile()
+        compile_s = time.perf_counter() - t0
+        for _ in range(warmup):
+            state, m = step(state, batch, ctrl)
+        jax.block_until_ready(state)
+        times = []
+        for _ in range(steps):  # per-step times: the spread shows noise from other tenants
+            t0 = time.perf_counter()
+            state, m = step(state, batch, ctrl)
+            jax.block_until_ready(state)
+            times.append(time.perf_counter() - t0)
+    peak_flops, peak_source = metrics.system_peak(devs)
+    tokens = tcfg.global_batch * tcfg.seq_len
+    step_s = float(np.median(times))
+    flops = run.flops_per_token * tokens / step_s
+    return {
+        "preset": config.model.get("preset", "?"), "device": f"{len(devs)} x {devs[0].device_kind}",
+        "commit": _commit(), "global_batch": tcfg.global_batch, "seq_len": tcfg.seq_len,
+        "accum_steps": run.accum_steps, "dtype": run.model_cfg.dtype, "remat": run.model_cfg.remat,
+        "compile_s": compile_s, "step_s_median": step_s, "step_s_min": float(np.min(times)),
+        "step_s_max": float(np.max(times)), "tokens_per_s": tokens / step_s,
+        "model_flops_per_token": run.flops_per_token, "achieved_tflops": flops / 1e12,
+        "peak_tflops": peak_flops / 1e12 if peak_flops else None, "peak_source": peak_source,
+        "mfu": flops / peak_flops if peak_flops else None,
+        "peak_memory_gib": (metrics.device_memory_peak_bytes(devs[0]) or 0) / 2**30,
+        "memory_source": "host RSS" if devs[0].platform == "cpu" else "device peak_bytes_in_use (device 0)",
+        "final_loss": float(m["loss"]), "steps": steps, "warmup": warmup,
+    }
+
+
+def _table(r: dict[str, Any]) -> str:
+    rows = [("preset", r["preset"]), ("device", r["device"]), ("commit", r["commit"]),
+            ("batch x seq (accum)", f"{r['global_batch']} x {r['seq_len']} ({r['accum_steps']})"),
+            ("dtype / remat", f"{r['dtype']} / {r['remat']}"), ("compile", f"{r['compile_s']:.1f} s"),
+            ("step time (median, min-max)",
+             f"{r['step_s_median'] * 1e3:.1f} ms ({r['step_s_min'] * 1e3:.1f}-{r['step_s_max'] * 1e3:.1f})"),
+            ("tokens/s", f"{r['tokens_per_s']:,.0f}"),
+            ("model TFLOP/s", f"{r['achieved_tflops']:.4g} (of {r['peak_tflops'] or float('nan'):.4g}: "
+                              f"{r['peak_source']})"),
+            ("MFU", f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"),
+            ("peak memory", f"{r['peak_memory_gib']:.2f} GiB ({r['memory_source']})")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def main(argv):
+    del argv
+    result = bench(flags.FLAGS.config, _STEPS.value, _WARMUP.value)
+    if jax.process_index() == 0:
+        print(_table(result))
+        print(json.dumps(result))
+        if _OUT.value:
+            with open(_OUT.value, "w") as f:
+                json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    # Defined here, not at import: bench and train each own a --config flag.
+    config_flags.DEFINE_config_file("config", None, "Training config, e.g. configs/pretrain.py:tiny.",
+                                      lock_config=True)
+    app.run(main)

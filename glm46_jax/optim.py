@@ -104,6 +104,7 @@ class OptimConfig:
     adam_weight_decay: float = 0.1  # AdamW leaves: embedding (and lm_head) only, never norms/biases/router
     router_optimizer: str = "adam"  # "adam" | "muon"
     head_optimizer: str = "adam"  # lm_head: "adam" | "muon"
+    layer_decay: float = 1.0  # layer-wise lr decay (mid-training / fine-tuning); 1.0 = off
 
 
 # --- schedules --------------------------------------------------------------------------------
@@ -246,8 +247,54 @@ def muon_adamw(cfg: OptimConfig, schedule: optax.Schedule) -> optax.GradientTran
         optax.partition({"muon": muon, "adam": adam}, functools.partial(param_labels, cfg=cfg)),
         optax.add_decayed_weights(cfg.weight_decay, mask=_decay_mask(cfg, "muon")),
         optax.add_decayed_weights(cfg.adam_weight_decay, mask=_decay_mask(cfg, "adam")),
+        *([scale_by_layer_decay(cfg.layer_decay)] if cfg.layer_decay != 1.0 else []),
         optax.scale_by_learning_rate(schedule),
     )
+
+
+def layer_depths(tree) -> Any:
+    """Depth of every leaf for layer-wise lr decay: embedding 0, decoder layer i (dense first, then
+    MoE, as in the model) i + 1, everything after the trunk (final norm, head, MTP) L + 1.
+
+    Stacked leaves get a [layers] vector of depths (one per slice of their leading axis).
+    """
+    def stack_size(name):
+        leaves = [x for p, x in jax.tree_util.tree_leaves_with_path(tree) if path_names(p)[0] == name]
+        return leaves[0].shape[0] if leaves else 0
+
+    n_dense, n_moe = (stack_size(n) for n in LAYER_STACKS)
+    top = n_dense + n_moe + 1
+
+    def depth(path, x):
+        name = path_names(path)[0]
+        if name == "embed_tokens":
+            return jnp.zeros((), jnp.float32)
+        if name in LAYER_STACKS:
+            first = 1 if name == "dense_layers" else 1 + n_dense
+            return jnp.arange(first, first + x.shape[0], dtype=jnp.float32)
+        return jnp.asarray(top, jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(depth, tree), top
+
+
+def scale_by_layer_decay(decay: float) -> optax.GradientTransformation:
+    """Multiply each leaf's update by decay ** (L + 1 - depth) (`layer_depths`): the top of the model
+    keeps the full lr, lower layers get geometrically less (ELECTRA/BEiT-style, for mid-training
+    and fine-tuning). optax has no depth-aware scaling, hence this small transform."""
+    if not 0 < decay <= 1:
+        raise ValueError(f"layer_decay={decay}: expected 0 < layer_decay <= 1")
+
+    def update(updates, state, params=None):
+        del params
+        depths, top = layer_depths(updates)
+
+        def scale(u, d):
+            factor = jnp.power(jnp.float32(decay), top - d)
+            return u * factor.reshape(factor.shape + (1,) * (u.ndim - factor.ndim)).astype(u.dtype)
+
+        return jax.tree.map(scale, updates, depths), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
 
 
 def _shardings(tree):

@@ -173,6 +173,26 @@ def test_weight_decay_only_where_intended():
         np.testing.assert_allclose(np.asarray(u), want, atol=1e-7, err_msg=path)
 
 
+def test_layer_decay_scales_updates_by_depth():
+    """_glm_like has no dense stack and L=2 MoE layers: depths embed 0, moe 1..2, rest 3 (top)."""
+    params = _glm_like()
+    grads = jax.tree.map(lambda x: jnp.cos(3 * x), params)
+    run = lambda cfg: build_optimizer(cfg, params)[0].update(grads, build_optimizer(cfg, params)[0].init(params),
+                                                             params)[0]
+    plain, decayed = _flat(run(_cfg(lr=0.1))), _flat(run(_cfg(lr=0.1, layer_decay=0.5)))
+    for path, u in plain.items():
+        u, d = np.asarray(u), np.asarray(decayed[path])
+        if "embed_tokens" in path:
+            np.testing.assert_allclose(d, u * 0.5 ** 3, rtol=1e-5, err_msg=path)
+        elif "moe_layers" in path:  # layer 0 at depth 1, layer 1 at depth 2
+            np.testing.assert_allclose(d[0], u[0] * 0.25, rtol=1e-5, atol=1e-9, err_msg=path)
+            np.testing.assert_allclose(d[1], u[1] * 0.5, rtol=1e-5, atol=1e-9, err_msg=path)
+        else:  # final norm, head, MTP: the full lr
+            np.testing.assert_allclose(d, u, rtol=1e-6, err_msg=path)
+    with pytest.raises(ValueError, match="layer_decay"):
+        build_optimizer(_cfg(layer_decay=1.5), params)
+
+
 def test_clip_applies_to_the_global_norm():
     params = {"embed_tokens": jnp.ones((4, 4))}
     tx, _ = build_optimizer(_cfg(clip=1.0, adam_weight_decay=0.0, b1=0.0, b2=0.0, eps=0.0), params)

@@ -1,11 +1,12 @@
 # glm46_jax developer entry points.
 #
-#   make venv       create .venv (Python >= 3.12) and install the package with the dev extras
+#   make venv       create .venv (Python >= 3.12) and install the package with the dev and data extras
 #   make test       run the test suite (pass extra pytest flags with PYTEST_ARGS="-k router -x")
-#   make train      tiny GLM-MoE pre-training on CPU (extra flags with ARGS="--config.train.steps=50")
+#   make data       build the sample corpus data/sample (python -m data_prep sample; offline, < 1 min)
+#   make train      tiny GLM-MoE pre-training on CPU over data/sample (extra flags with ARGS="--config.train.steps=50")
 #   make fixtures   regenerate tests/fixtures/hf_* with HF transformers in a separate Python 3.11 .venv-hf
 #                   (optional: the fixtures are committed, so CI and `make test` never need this)
-#   make clean      remove .venv, .venv-hf and runs/
+#   make clean      remove .venv, .venv-hf, runs/ and data/sample
 #
 # The interpreter is found by .ci/find_python.sh; override it with `make PYTHON=/path/to/python3.12 test`
 # (and PYTHON_HF=/path/to/python3.11 for `make fixtures`).
@@ -27,7 +28,7 @@ ARGS        ?=
 HF_PKGS     ?= torch==2.13.0 transformers==5.23.0 safetensors numpy
 HF_PIP_ARGS ?=
 
-.PHONY: venv test train fixtures clean
+.PHONY: venv test train data fixtures clean
 
 venv: $(VENV)/.installed
 
@@ -48,14 +49,23 @@ $(VENV)/.installed: pyproject.toml
 	    echo "error: '$$py -m venv' failed (Debian/Ubuntu: apt-get install python3.X-venv)" >&2; exit 1; }; \
 	fi
 	$(PY) -m pip install -q -U pip
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,data]"
 	$(PY) -c 'import sys; assert sys.version_info >= (3, 12), sys.version; print("$(VENV):", sys.version.split()[0])'
 	@touch $@
 
 test: $(VENV)/.installed
 	@TIMEFORMAT='suite time: %1Rs'; time $(PY) -m pytest -q tests $(PYTEST_ARGS)
 
-train: $(VENV)/.installed
+# The sample corpus (stdlib code + prose, 512-token BPE) that the tiny preset trains on; built
+# once, offline. A half-written one resumes: data_prep skips shards already complete.
+SAMPLE := data/sample
+
+data: $(SAMPLE)/metadata.json
+
+$(SAMPLE)/metadata.json: $(VENV)/.installed
+	$(PY) -m data_prep sample --out $(SAMPLE)
+
+train: $(VENV)/.installed $(SAMPLE)/metadata.json
 	$(PY) -m glm46_jax.train --config=configs/pretrain.py:tiny $(ARGS)
 
 fixtures: $(VENV_HF)/.installed
@@ -71,4 +81,4 @@ $(VENV_HF)/.installed:
 	@touch $@
 
 clean:
-	rm -rf $(VENV) $(VENV_HF) runs/
+	rm -rf $(VENV) $(VENV_HF) runs/ $(SAMPLE)

@@ -6,11 +6,20 @@
 
 Every ModelConfig field of the preset is listed under `model`, so any of them can be overridden
 (`--config.model.num_hidden_layers=4`); `glm46_jax.config.model_config_from_dict` turns the
-section into the typed ModelConfig. `optim.decay_steps` follows `train.steps` unless set.
+section into the typed ModelConfig. Likewise `optim` (OptimConfig), `loss` (LossConfig) and
+`balance` (BalanceConfig) list every field.
 
-Only "tiny" runs here (CPU, the built-in stdlib-docstring byte corpus). The others carry the
-GLM-4.5 recipe (Muon + AdamW, peak 2.5e-4 -> 2.5e-5 cosine, seq 4096, ~16M tokens per batch);
-they need the real data pipeline and a GPU cluster.
+`data.phases` is the curriculum (`glm46_jax.data.curriculum`), run in `data.phase_order`: name -> token budget,
+sequence length, global batch (rows, optionally ramped), domain mixture, RoPE theta and packing.
+A run lasts until the curriculum's tokens are spent (or `train.steps` if > 0); the lr schedule's
+`optim.decay_steps` = 0 means "the run's number of steps".
+
+"tiny" runs on a CPU over the sample corpus (`python -m data_prep sample --out data/sample`, which
+`make train` builds). The others carry the GLM-4.5 recipe (GLM_SPEC §5.1): Muon + AdamW, peak
+2.5e-4 -> 2.5e-5 cosine over pre- and mid-training, batch 16M -> 64M tokens over the first 500B,
+15T general + 7T code & reasoning at 4K, then 500B repo code + 500B synthetic reasoning at 32K
+(RoPE theta 1e4 -> 1e6) and 100B long-context & agent at 128K. GLM publishes no mixture weights:
+the domains and weights below are placeholders naming what each phase upsamples.
 """
 
 import dataclasses
@@ -23,42 +32,64 @@ from glm46_jax.config import get_preset
 from glm46_jax.loss import LossConfig
 from glm46_jax.optim import OptimConfig
 
-# preset -> (model overrides, mesh, train, optim). Only what differs from the defaults below.
+T, B = 10**12, 10**9
+
+
+def _glm45_phases(rope_long: float = 1e6) -> dict:
+    """The GLM-4.5 report's schedule (token budgets, lengths, RoPE) at 64M-token batches."""
+    return {
+        "general": dict(tokens=15 * T, seq_len=4096, global_batch=16384, rope_theta=1e4, pack="concat",
+                        # 16M -> 64M tokens per batch over the first 500B tokens, in 4M-token steps.
+                        batch_ramp=dict(start_rows=4096, ramp_tokens=500 * B, increment=1024),
+                        mixture=dict(web=0.6, multilingual=0.1, books_papers=0.1, code=0.15, math_science=0.05)),
+        "code_reasoning": dict(tokens=7 * T, seq_len=4096, global_batch=16384, rope_theta=1e4, pack="concat",
+                               mixture=dict(web=0.3, multilingual=0.05, books_papers=0.1, code=0.35,
+                                            math_science=0.2)),
+        "repo_code": dict(tokens=500 * B, seq_len=32768, global_batch=2048, rope_theta=rope_long, pack="best_fit",
+                          mixture=dict(repo_code=0.7, web=0.15, code=0.15)),
+        "synthetic_reasoning": dict(tokens=500 * B, seq_len=32768, global_batch=2048, rope_theta=rope_long,
+                                    pack="best_fit", mixture=dict(synthetic_reasoning=0.7, web=0.15, code=0.15)),
+        "long_context_agent": dict(tokens=100 * B, seq_len=131072, global_batch=512, rope_theta=rope_long,
+                                   pack="best_fit", mixture=dict(long_context=0.5, agent=0.3, web=0.2)),
+    }
+
+
+# preset -> overrides of the defaults in get_config. Only what differs.
 _PRESETS = {
-    # ~1-2 min on a 2-core CPU including compile; next-token CE falls from ~6.2 (ln 512) to ~2.
+    # ~2 min on a 2-core CPU including compile: 200 steps of 16 x 128 tokens (prose-heavy), then
+    # 50 steps of 16 x 256 code-heavy rows, best-fit packed, at RoPE theta 1e6.
     "tiny": dict(
         model=dict(),
         mesh=dict(data=-1),
-        train=dict(steps=300, global_batch=16, seq_len=128, log_every=20, eval_every=100, eval_batches=4),
+        train=dict(log_every=25, eval_every=100, eval_batches=4),
         optim=dict(lr=3e-3, end_lr=3e-4, warmup_steps=30),
-        # 300 steps x 2048 tokens = 614k tokens: both token-scheduled switches happen in the run.
-        loss=dict(mtp_boundary_tokens=400_000.0),
-        balance=dict(boundary_tokens=400_000.0),
+        # GLM switches at the end of the general phase (15T); here at its end too.
+        loss=dict(mtp_boundary_tokens=409_600.0),
+        balance=dict(boundary_tokens=409_600.0),
+        data=dict(root="data/sample", phases={
+            "general": dict(tokens=409_600, seq_len=128, global_batch=16, rope_theta=1e4, pack="concat",
+                            mixture=dict(prose=0.6, code=0.4)),
+            "code_long": dict(tokens=204_800, seq_len=256, global_batch=16, rope_theta=1e6, pack="best_fit",
+                              mixture=dict(code=0.8, prose=0.2)),
+        }),
     ),
     "small": dict(
         model=dict(remat="save_matmuls"),
         mesh=dict(data=-1),
-        train=dict(steps=20_000, global_batch=256, seq_len=4096),
         optim=dict(lr=1e-3, end_lr=1e-4, warmup_steps=500),
+        data=dict(phases={
+            "general": dict(tokens=80 * B, seq_len=4096, global_batch=256, rope_theta=1e4, pack="concat",
+                            mixture=dict(web=0.7, code=0.3)),
+            "code_long": dict(tokens=4 * B, seq_len=32768, global_batch=32, rope_theta=1e6, pack="best_fit",
+                              mixture=dict(code=0.7, web=0.3)),
+        }),
     ),
-    "glm45_air": dict(
-        model=dict(dtype="bfloat16", remat="full"),
-        mesh=dict(data=-1, expert=8),
-        train=dict(steps=500_000, global_batch=4096, seq_len=4096),
-        optim=dict(lr=2.5e-4, end_lr=2.5e-5, warmup_steps=2000),
-    ),
-    "glm45": dict(
-        model=dict(dtype="bfloat16", remat="full"),
-        mesh=dict(data=-1, expert=8),
-        train=dict(steps=500_000, global_batch=4096, seq_len=4096),
-        optim=dict(lr=2.5e-4, end_lr=2.5e-5, warmup_steps=2000),
-    ),
-    "glm46": dict(
-        model=dict(dtype="bfloat16", remat="full"),
-        mesh=dict(data=-1, expert=8),
-        train=dict(steps=500_000, global_batch=4096, seq_len=4096),
-        optim=dict(lr=2.5e-4, end_lr=2.5e-5, warmup_steps=2000),
-    ),
+    "glm45_air": dict(model=dict(dtype="bfloat16", remat="full"), mesh=dict(data=-1, expert=8),
+                      data=dict(phases=_glm45_phases())),
+    "glm45": dict(model=dict(dtype="bfloat16", remat="full"), mesh=dict(data=-1, expert=8),
+                  data=dict(phases=_glm45_phases())),
+    "glm46": dict(model=dict(dtype="bfloat16", remat="full"), mesh=dict(data=-1, expert=8),
+                  data=dict(phases=_glm45_phases())),
 }
 
 
@@ -77,16 +108,22 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.mesh = dict(data=1, tensor=1, expert=1, pipeline=1)
     c.mesh.update(p["mesh"])
 
-    # accum_steps: micro-batches per step (global_batch must divide); max_nonfinite: stop after
-    # this many non-finite steps in a row (each is skipped).
-    c.train = dict(steps=1000, global_batch=16, seq_len=128, seed=0, log_every=50, eval_every=500, eval_batches=8,
-                   accum_steps=1, max_nonfinite=10, tensorboard=True)
-    c.train.update(p["train"])
+    # steps: 0 = until the curriculum's tokens are spent. accum_steps: micro-batches per step (every
+    # phase's batch must divide). max_nonfinite: stop after this many non-finite steps in a row.
+    c.train = dict(steps=0, seed=0, log_every=50, eval_every=500, eval_batches=8, accum_steps=1,
+                   max_nonfinite=10, tensorboard=True)
+    c.train.update(p.get("train", {}))
+
+    # The corpus written by data_prep (`<root>/<domain>/<split>/*.array_record` + metadata.json).
+    c.data = dict(root="data/corpus", seed=0, num_workers=0, read_threads=2)
+    c.data.update({k: v for k, v in p["data"].items() if k != "phases"})
+    c.data.phases = ml_collections.ConfigDict(p["data"]["phases"], sort_keys=False)
+    # ConfigDicts may sort their keys (and JSON dumps do): the order is stated, not implied.
+    c.data.phase_order = tuple(p["data"]["phases"])
 
     # Every OptimConfig field (glm46_jax/optim.py): Muon for hidden matrices, AdamW for the rest.
-    c.optim = dataclasses.asdict(OptimConfig(lr=2.5e-4, end_lr=2.5e-5, warmup_steps=2000))
-    c.optim.update(p["optim"])
-    c.optim.decay_steps = c.train.get_ref("steps")  # cosine ends with the run, through overrides too
+    c.optim = dataclasses.asdict(OptimConfig(lr=2.5e-4, end_lr=2.5e-5, warmup_steps=2000, decay_steps=0))
+    c.optim.update(p.get("optim", {}))
 
     # GLM-4.5 (GLM_SPEC §5.1): MTP lambda 0.3 -> 0.1 and bias rate 1e-3 -> 0 at 15T tokens,
     # sequence aux loss 1e-4. Boundaries are in tokens (floats: 15e12 overflows an int32 flag parser).

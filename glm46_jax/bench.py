@@ -1,7 +1,7 @@
 """Training-step benchmark: warm-up + K timed steps of the real train step on synthetic tokens.
 
     python -m glm46_jax.bench --config=configs/pretrain.py:tiny [--steps=20 --warmup=3 --out=bench.json]
-    python -m glm46_jax.bench --config=configs/pretrain.py:small --config.train.global_batch=8
+    python -m glm46_jax.bench --config=configs/pretrain.py:small --config.data.phases.general.global_batch=8
 
 The step is exactly `train`'s (`train.build`: Muon + AdamW, loss-free balancing, MTP and aux
 losses, accumulation and remat from the config); tokens are uniform random ids, which cost the
@@ -28,11 +28,12 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from glm46_jax import metrics, sharding
-from glm46_jax.train import build
+from glm46_jax.build import build
 
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps after compilation.")
 _OUT = flags.DEFINE_string("out", None, "Also write the JSON result here.")
+_PHASE = flags.DEFINE_string("phase", None, "Curriculum phase whose shapes to time (default: the first).")
 
 
 def _commit() -> str:
@@ -44,20 +45,22 @@ def _commit() -> str:
 
 
 def bench(config: ml_collections.ConfigDict, steps: int = 20, warmup: int = 3,
-          devices: Sequence[jax.Device] | None = None) -> dict[str, Any]:
+          devices: Sequence[jax.Device] | None = None, phase_name: str | None = None) -> dict[str, Any]:
+    """Time the train step at a curriculum phase's shapes (default: the first phase, full batch)."""
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
     run = build(config, devices)
     state, run.state = run.state, None
-    tcfg = config.train
-    rng = np.random.default_rng(tcfg.seed)
-    x = rng.integers(0, run.model_cfg.vocab_size, (tcfg.global_batch, tcfg.seq_len + 1)).astype(np.int32)
+    phase = next(p for p in run.curriculum.phases if p.name == phase_name) if phase_name else run.curriculum.phases[0]
+    rows, seq_len = phase.global_batch, phase.seq_len
+    x = np.random.default_rng(config.train.seed).integers(0, run.model_cfg.vocab_size, (rows, seq_len + 1))
     devs = list(run.mesh.devices.flatten())
     with sharding.use_mesh(run.mesh):
-        batch = run.device_batch({"inputs": x[:, :-1], "targets": x[:, 1:]})
+        # One process's rows (bench runs as a single process).
+        batch = run.device_batch({"inputs": x[:, :-1].astype(np.int32), "targets": x[:, 1:].astype(np.int32)})
         ctrl = run.controls_at(0)  # MTP weight 0.3, balancing rate 1e-3: everything on
         t0 = time.perf_counter()
-        step = run.train_step.lower(state, batch, ctrl).compile()
+        step = run.steps_for(phase)[0].lower(state, batch, ctrl).compile()
         compile_s = time.perf_counter() - t0
         for _ in range(warmup):
             state, m = step(state, batch, ctrl)
@@ -69,16 +72,16 @@ def bench(config: ml_collections.ConfigDict, steps: int = 20, warmup: int = 3,
             jax.block_until_ready(state)
             times.append(time.perf_counter() - t0)
     peak_flops, peak_source = metrics.system_peak(devs)
-    tokens = tcfg.global_batch * tcfg.seq_len
+    tokens = rows * seq_len
     step_s = float(np.median(times))
-    flops = run.flops_per_token * tokens / step_s
+    flops = run.flops_per_token(phase) * tokens / step_s
     return {
         "preset": config.model.get("preset", "?"), "device": f"{len(devs)} x {devs[0].device_kind}",
-        "commit": _commit(), "global_batch": tcfg.global_batch, "seq_len": tcfg.seq_len,
+        "commit": _commit(), "phase": phase.name, "global_batch": rows, "seq_len": seq_len,
         "accum_steps": run.accum_steps, "dtype": run.model_cfg.dtype, "remat": run.model_cfg.remat,
         "compile_s": compile_s, "step_s_median": step_s, "step_s_min": float(np.min(times)),
         "step_s_max": float(np.max(times)), "tokens_per_s": tokens / step_s,
-        "model_flops_per_token": run.flops_per_token, "achieved_tflops": flops / 1e12,
+        "model_flops_per_token": run.flops_per_token(phase), "achieved_tflops": flops / 1e12,
         "peak_tflops": peak_flops / 1e12 if peak_flops else None, "peak_source": peak_source,
         "mfu": flops / peak_flops if peak_flops else None,
         "peak_memory_gib": (metrics.device_memory_peak_bytes(devs[0]) or 0) / 2**30,
@@ -89,7 +92,8 @@ def bench(config: ml_collections.ConfigDict, steps: int = 20, warmup: int = 3,
 
 def _table(r: dict[str, Any]) -> str:
     rows = [("preset", r["preset"]), ("device", r["device"]), ("commit", r["commit"]),
-            ("batch x seq (accum)", f"{r['global_batch']} x {r['seq_len']} ({r['accum_steps']})"),
+            ("phase: batch x seq (accum)",
+             f"{r['phase']}: {r['global_batch']} x {r['seq_len']} ({r['accum_steps']})"),
             ("dtype / remat", f"{r['dtype']} / {r['remat']}"), ("compile", f"{r['compile_s']:.1f} s"),
             ("step time (median, min-max)",
              f"{r['step_s_median'] * 1e3:.1f} ms ({r['step_s_min'] * 1e3:.1f}-{r['step_s_max'] * 1e3:.1f})"),
@@ -104,7 +108,7 @@ def _table(r: dict[str, Any]) -> str:
 
 def main(argv):
     del argv
-    result = bench(flags.FLAGS.config, _STEPS.value, _WARMUP.value)
+    result = bench(flags.FLAGS.config, _STEPS.value, _WARMUP.value, phase_name=_PHASE.value)
     if jax.process_index() == 0:
         print(_table(result))
         print(json.dumps(result))

@@ -3,8 +3,8 @@
     python -m glm46_jax.score --hf-dir DIR --tokens 1,2,3
     python -m glm46_jax.score --checkpoint runs/tiny --text "def f(x):" --out logits.npy
 
-`--text` needs a tokenizer: `<hf-dir>/tokenizer.json` by default, `bytes` (the built-in byte-level
-one that `make train` uses) for checkpoints, or any `tokenizer.json` given with `--tokenizer`.
+`--text` needs a tokenizer: `<hf-dir>/tokenizer.json`, or for a checkpoint the corpus tokenizer that
+training copied next to it (`<step>/tokenizer.json`), or any `tokenizer.json` given with `--tokenizer`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     inp = p.add_mutually_exclusive_group(required=True)
     inp.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3")
     inp.add_argument("--text", help="text to tokenize and score")
-    p.add_argument("--tokenizer", help="'bytes' or a tokenizer.json path (default: see above)")
+    p.add_argument("--tokenizer", help="a tokenizer.json path (default: see above)")
     p.add_argument("--out", help="save the logits [tokens, vocab] (float32) to this .npy file")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
     return p
@@ -46,16 +46,12 @@ def token_logprobs(logits: Float[Array, "b s v"], tokens: Int[Array, "b s"]) -> 
 class _Tokenizer:
     def __init__(self, spec: str):
         self.spec = spec
-        if spec == "bytes":
-            from glm46_jax.data import bytes_corpus
-            self._encode, self._decode = bytes_corpus.encode, lambda ids: bytes_corpus.decode(ids)
-        else:
-            if not os.path.exists(spec):
-                raise FileNotFoundError(f"{spec}: tokenizer.json not found (pass --tokenizer=bytes or a path)")
-            from tokenizers import Tokenizer
-            tok = Tokenizer.from_file(spec)
-            self._encode = lambda text: tok.encode(text, add_special_tokens=False).ids
-            self._decode = lambda ids: tok.decode(list(ids), skip_special_tokens=False)
+        if not os.path.exists(spec):
+            raise FileNotFoundError(f"{spec}: tokenizer.json not found (pass --tokenizer PATH)")
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(spec)
+        self._encode = lambda text: tok.encode(text, add_special_tokens=False).ids
+        self._decode = lambda ids: tok.decode(list(ids), skip_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self._encode(text)]
@@ -71,9 +67,9 @@ def _load(args, mesh):
         cfg, graphdef, params, buffers = load_hf(args.hf_dir, mesh, **runtime)
         default_tok = os.path.join(args.hf_dir, "tokenizer.json")
     else:
-        from glm46_jax.checkpoint import load_params
+        from glm46_jax.checkpoint import latest_checkpoint, load_params
         cfg, graphdef, params, buffers = load_params(args.checkpoint, mesh, **runtime)
-        default_tok = "bytes"
+        default_tok = os.path.join(latest_checkpoint(args.checkpoint), "tokenizer.json")  # train copies it there
     return cfg, graphdef, params, buffers, args.tokenizer or default_tok
 
 

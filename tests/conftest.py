@@ -21,3 +21,14 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 def mesh1():
     """A one-device mesh: the single-device reference every sharded run is compared against."""
     return sharding.make_mesh({"data": 1}, jax.devices()[:1])
+
+
+@pytest.fixture(scope="session")
+def sample_corpus(tmp_path_factory):
+    """The `make train` corpus (`python -m data_prep sample`), capped small: code + prose domains,
+    a 512-token byte-level BPE (pad 0, eos 1), train and heldout splits."""
+    from data_prep import cli
+
+    out = str(tmp_path_factory.mktemp("sample_corpus"))
+    assert cli.main(["sample", "--out", out, "--max-docs-per-domain", "300"]) == 0
+    return out

@@ -19,7 +19,8 @@ def _config(**train):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = module.get_config("tiny")
-    config.train.update(global_batch=8, seq_len=32, **train)
+    config.data.phases.general.update(global_batch=8, seq_len=32)
+    config.train.update(**train)
     return config
 
 

@@ -26,14 +26,19 @@ def load_config(preset: str):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, sample_corpus):
+    """40 steps through both tiny phases on the sample corpus: 30 x (8 x 64) concat at RoPE 1e4,
+    then 10 x (8 x 128) best-fit at RoPE 1e6."""
     config = load_config("tiny")
     config.run_dir = str(tmp_path_factory.mktemp("run"))
     config.mesh = {"data": 1}
-    config.train.update(steps=STEPS, global_batch=8, seq_len=64, log_every=10, eval_every=20, eval_batches=2)
+    config.data.root = sample_corpus
+    config.data.phases.general.update(tokens=30 * 512, seq_len=64, global_batch=8)
+    config.data.phases.code_long.update(tokens=10 * 1024, seq_len=128, global_batch=8)
+    config.train.update(log_every=10, eval_every=20, eval_batches=2)
     config.optim.warmup_steps = 10
-    # 8 x 64 = 512 tokens per step: the MTP weight and the balancing rate switch after step 20.
-    config.loss.mtp_boundary_tokens = config.balance.boundary_tokens = 20 * 512
+    # The MTP weight and the balancing rate switch with the phase, after 30 x 512 tokens.
+    config.loss.mtp_boundary_tokens = config.balance.boundary_tokens = 30 * 512
     state, summary = train(config, devices=jax.devices()[:1])
     return config, state, summary
 
@@ -42,33 +47,39 @@ def test_loss_falls(run):
     _, state, summary = run
     assert int(state.step) == STEPS
     assert 6.0 < summary["start_loss"] < 6.5  # ~ln(512): the untrained model is near uniform
-    # Measured 6.26 -> 3.39 (held-out 3.11) in 40 steps; a 2-nat drop leaves room for platform noise.
-    assert summary["end_loss"] < summary["start_loss"] - 2.0, summary
-    assert summary["eval/ce"] < summary["start_loss"] - 2.0, summary
+    # Measured 6.24 -> 5.40 (held-out 6.14 on 3 capped heldout documents per domain) in 40 steps.
+    # Learning itself is tested in test_train_step (synthetic task); this checks the loop moves.
+    assert summary["end_loss"] < summary["start_loss"] - 0.5, summary
+    assert summary["eval/ce"] < summary["start_loss"], summary
+    assert summary["phases"] == ["general", "code_long"] and summary["tokens_seen"] == 30 * 512 + 10 * 1024
     assert summary["end_total_loss"] < summary["start_total_loss"]
 
 
 def test_run_dir_has_config_metrics_and_checkpoint(run):
     config, _, summary = run
     with open(os.path.join(config.run_dir, "config.json")) as f:
-        assert json.load(f)["train"]["steps"] == STEPS
+        saved = json.load(f)
+    assert saved["train"]["steps"] == 0 and saved["data"]["phase_order"] == ["general", "code_long"]
+    assert saved["data"]["phases"]["code_long"]["rope_theta"] == 1e6
     with open(os.path.join(config.run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     train_steps = [r["step"] for r in records if "train/loss" in r]
     eval_steps = [r["step"] for r in records if "eval/ce" in r]
-    assert train_steps == [1, 10, 20, 30, 40] and eval_steps == [20, 40]
+    assert train_steps == [1, 10, 20, 30, 40] and eval_steps == [20, 30, 40]  # 30: the end of phase 1
     first = records[0]
     assert first["train/lr"] == 0.0 and first["train/grad_norm"] > 0  # warmup starts at 0
     lrs = [r["train/lr"] for r in records if "train/lr" in r]
     by_step = {r["step"]: r for r in records if "train/loss" in r}
-    # Step 20 starts after 19 x 512 tokens (< boundary), step 21 after 20 x 512 (= boundary).
-    assert [by_step[s]["train/mtp_weight"] for s in (1, 20, 30, 40)] == pytest.approx([0.3, 0.3, 0.1, 0.1])
-    assert [by_step[s]["train/bias_rate"] for s in (1, 20, 30, 40)] == pytest.approx([1e-3, 1e-3, 0, 0])
+    # Step 30 starts after 29 x 512 tokens (< boundary), step 31 after 30 x 512 (= boundary).
+    assert [by_step[s]["train/mtp_weight"] for s in (1, 20, 30, 40)] == pytest.approx([0.3, 0.3, 0.3, 0.1])
+    assert [by_step[s]["train/bias_rate"] for s in (1, 20, 30, 40)] == pytest.approx([1e-3, 1e-3, 1e-3, 0])
+    assert [by_step[s]["train/seq_len"] for s in (30, 40)] == [64, 128]
+    assert [by_step[s]["train/rope_theta"] for s in (30, 40)] == [1e4, 1e6]
     for key in ("train/aux_loss", "train/ppl", "train/update_rms", "train/load_cv", "train/bias_abs_max",
                 "train/tokens_per_s", "train/mfu", "train/dropped_frac", "train/mtp_load_cv"):
         assert key in by_step[40] and np.isfinite(by_step[40][key]), key
     assert by_step[40]["train/skipped"] == 0 and by_step[40]["train/nonfinite_total"] == 0
-    assert by_step[40]["train/tokens_seen"] == 40 * 512
+    assert by_step[40]["train/tokens_seen"] == 30 * 512 + 10 * 1024
     assert os.listdir(os.path.join(config.run_dir, "tensorboard"))  # event file(s) written
     assert max(lrs) <= config.optim.lr + 1e-9 and lrs[-1] < max(lrs)  # cosine decay after warmup
     assert summary["checkpoint"] == os.path.join(config.run_dir, "checkpoints", str(STEPS))
@@ -95,20 +106,46 @@ def test_checkpoint_round_trip(run):
         checkpoint.load_params(os.path.dirname(config.run_dir), mesh8)
 
 
+def test_score_checkpoint_text_uses_the_corpus_tokenizer(run, capsys):
+    """`score --checkpoint RUN --text ...` finds the tokenizer train copied next to the weights, and its
+    total equals a log-softmax of the same checkpoint's logits computed here in float64."""
+    from tokenizers import Tokenizer
+
+    from glm46_jax import score
+    from glm46_jax.model import apply
+
+    config, _, summary = run
+    text = "def add(x, y):\n    return x + y\n"
+    total = score.main(["--checkpoint", config.run_dir, "--text", text])
+    ids = Tokenizer.from_file(os.path.join(summary["checkpoint"], "tokenizer.json")).encode(
+        text, add_special_tokens=False).ids
+    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+    cfg, graphdef, params, buffers = checkpoint.load_params(config.run_dir, mesh)
+    assert cfg.rope_theta == 1e6  # the last phase's
+    with sharding.use_mesh(mesh):
+        logits = np.asarray(apply(graphdef, params, buffers, jax.numpy.asarray([ids]), with_mtp=False).logits[0],
+                            np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    assert total == pytest.approx(logp[np.arange(len(ids) - 1), ids[1:]].sum(), abs=1e-3)
+    assert f"over {len(ids) - 1} predicted tokens" in capsys.readouterr().out
+
+
 def test_lr_schedule_warmup_then_cosine():
     sched = lr_schedule(OptimConfig(lr=1.0, end_lr=0.1, warmup_steps=10, decay_steps=110))
     np.testing.assert_allclose([float(sched(s)) for s in (0, 5, 10, 60, 110, 200)],
                                [0.0, 0.5, 1.0, 0.55, 0.1, 0.1], atol=1e-6)
 
 
-def test_run_stops_after_too_many_nonfinite_steps(tmp_path):
+def test_run_stops_after_too_many_nonfinite_steps(tmp_path, sample_corpus):
     """An lr of 1e30 blows the weights up at the first update; every later gradient is NaN, each
     step is skipped, and the run stops with an error naming the step once 3 are skipped in a row."""
     config = load_config("tiny")
     config.run_dir = str(tmp_path)
     config.mesh = {"data": 1}
-    config.train.update(steps=20, global_batch=8, seq_len=64, log_every=10, eval_every=20, eval_batches=1,
-                        max_nonfinite=3)
+    config.data.root = sample_corpus
+    config.data.phases.general.update(tokens=20 * 512, seq_len=64, global_batch=8)
+    config.train.update(steps=20, log_every=10, eval_every=20, eval_batches=1, max_nonfinite=3)
     config.optim.update(lr=1e30, warmup_steps=0)
     with pytest.raises(FloatingPointError, match=r"step \d+: loss or gradient not finite for 3 steps in a row"):
         train(config, devices=jax.devices()[:1])

@@ -1,2 +1,2 @@
-"""Training data. For now only the offline byte-level stdlib-docstring corpus (`bytes_corpus`);
-the Grain/ArrayRecord pipeline replaces it in a later issue."""
+"""Training data at run time: Grain loaders over the ArrayRecord corpus that `data_prep` writes
+(`loader`), and the phase-by-phase curriculum over them (`curriculum`, `iterator_state`)."""

@@ -1,0 +1,221 @@
+"""`python -m data_prep COMMAND ...`: each stage alone (through document sets) or all at once.
+
+    ingest          --input DOMAIN=SPEC ... --out SET     read inputs (malformed lines reported, not fatal)
+    clean           --docset SET --out SET2               NFC, control characters, whitespace
+    filter          --docset SET --out SET2               quality rules per domain
+    dedup           --docset SET --out SET2               exact + MinHash-LSH near-duplicates, global
+    train-tokenizer --docset SET --out tokenizer.json     byte-level BPE on the train split
+    write           --docset SET --out DIR                tokenize -> ArrayRecord shards + metadata.json
+    pipeline        --input DOMAIN=SPEC ... --out DIR     all of the above, in memory
+    sample          [--out data/sample]                   the stdlib corpus (code + prose) through `pipeline`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from data_prep import atomic, documents, pipeline, report, sample
+from data_prep.inputs import ReaderOptions, parse_input
+from data_prep.minhash import MinHashConfig
+from data_prep.quality import parse_rule_override
+from data_prep.tokenizer import EOS_TOKEN
+
+Parser = argparse.ArgumentParser
+
+
+# --- argument groups ----------------------------------------------------------------------------------
+
+def _input_arg(arg: str) -> tuple[str, str]:
+    try:
+        return parse_input(arg)
+    except ValueError as err:  # ArgumentTypeError keeps our message (argparse replaces a ValueError's)
+        raise argparse.ArgumentTypeError(str(err)) from err
+
+
+def _add_inputs(p: Parser) -> None:
+    g = p.add_argument_group("inputs")
+    g.add_argument("--input", action="append", required=True, type=_input_arg, metavar="DOMAIN=SPEC",
+                   help="SPEC: a file, directory, glob (** allowed) or tfds:NAME[@SPLIT]; repeat for more inputs")
+    g.add_argument("--text-field", default="text", help="JSONL key / TFDS feature holding the text (default: text)")
+    g.add_argument("--parquet-column", default=None, help="Parquet column holding the text (default: --text-field)")
+    g.add_argument("--text-lines", action="store_true", help="plain-text files hold one document per line")
+    g.add_argument("--tfds-data-dir", default=None, help="data_dir for tfds:NAME inputs")
+    g.add_argument("--max-reports", type=int, default=1000, help="malformed-input reports kept in metadata")
+
+
+def _add_filter(p: Parser) -> None:
+    g = p.add_argument_group("quality filter")
+    g.add_argument("--rules", default=None, metavar="FILE.json",
+                   help='per-domain rules, e.g. {"web": {"preset": "prose", "min_chars": 200}}')
+    g.add_argument("--rule", action="append", default=[], metavar="DOMAIN.RULE=VALUE",
+                   help="one override (a JSON value; null disables the rule), e.g. code.max_chars=null")
+
+
+def _add_dedup(p: Parser) -> None:
+    g = p.add_argument_group("deduplication")
+    g.add_argument("--threshold", type=float, default=0.85, help="near-duplicate Jaccard threshold")
+    g.add_argument("--num-perm", type=int, default=128, help="MinHash permutations")
+    g.add_argument("--shingle", choices=("word", "char"), default="word")
+    g.add_argument("--ngram", type=int, default=5, help="words (or characters) per shingle")
+    g.add_argument("--minhash-seed", type=int, default=0)
+
+
+def _add_vocab(p: Parser) -> None:
+    p.add_argument("--vocab-size", type=int, default=512, help="vocabulary of the trained byte-level BPE")
+
+
+def _add_tokenizer(p: Parser) -> None:
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer", default=None, metavar="tokenizer.json",
+                   help="use this tokenizer instead of training a byte-level BPE")
+    g.add_argument("--eos-token", default=EOS_TOKEN, help="end-of-document token of --tokenizer")
+    _add_vocab(g)
+
+
+def _add_heldout(p: Parser) -> None:
+    p.add_argument("--heldout-fraction", type=float, default=0.01,
+                   help="fraction of documents (chosen by content hash) in the heldout split; never trained on")
+
+
+def _add_write(p: Parser) -> None:
+    g = p.add_argument_group("shards")
+    _add_heldout(g)
+    g.add_argument("--shard-size-mb", type=float, default=64.0, help="UTF-8 text per shard")
+    g.add_argument("--writer-options", default="group_size:1", help="ArrayRecordWriter options")
+
+
+def _add_sample(p: Parser) -> None:
+    p.add_argument("--max-docs-per-domain", type=int, default=3000, help="cap on each domain's documents")
+    p.add_argument("--max-reports", type=int, default=1000, help="malformed-input reports kept in metadata")
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="python -m data_prep", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, about: str, *groups: Callable[[Parser], None], docset: bool = False,
+                out: str = "dataset directory to write", out_default: str | None = None) -> None:
+        p = sub.add_parser(name, help=about, description=about)
+        for add_group in groups:
+            add_group(p)
+        if docset:
+            p.add_argument("--docset", required=True, help="input document set (written by a previous stage)")
+        p.add_argument("--out", required=out_default is None, default=out_default, help=out)
+        p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (1: in-process)")
+
+    docset_out = "document set directory to write"
+    command("ingest", "read inputs into a document set", _add_inputs, out=docset_out)
+    command("clean", "normalise text", docset=True, out=docset_out)
+    command("filter", "apply the quality rules", _add_filter, docset=True, out=docset_out)
+    command("dedup", "remove exact and near duplicates", _add_dedup, docset=True, out=docset_out)
+    command("train-tokenizer", "train a byte-level BPE on the train split of a document set", _add_vocab,
+            _add_heldout, docset=True, out="tokenizer.json to write")
+    command("write", "tokenize a document set into ArrayRecord shards", _add_tokenizer, _add_write, docset=True)
+    command("pipeline", "ingest, clean, filter, dedup, tokenize and write in one go", _add_inputs, _add_filter,
+            _add_dedup, _add_tokenizer, _add_write)
+    command("sample", "build the stdlib corpus (code + prose) and run the pipeline on it", _add_sample,
+            _add_filter, _add_dedup, _add_tokenizer, _add_write, out="dataset directory (default: data/sample)",
+            out_default="data/sample")
+    return parser
+
+
+# --- configs from arguments ---------------------------------------------------------------------------
+
+def _rule_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    overrides: dict[str, dict[str, Any]] = {}
+    if args.rules:
+        with open(args.rules, encoding="utf-8") as f:
+            overrides = {d: dict(r) for d, r in json.load(f).items()}
+    for arg in args.rule:
+        domain, rule, value = parse_rule_override(arg)
+        overrides.setdefault(domain, {})[rule] = value
+    return overrides
+
+
+def _reader(args: argparse.Namespace) -> ReaderOptions:
+    return ReaderOptions(args.text_field, args.parquet_column, args.text_lines, args.tfds_data_dir)
+
+
+def _minhash(args: argparse.Namespace) -> MinHashConfig:
+    return MinHashConfig(args.num_perm, args.threshold, args.shingle, args.ngram, args.minhash_seed)
+
+
+def _write(args: argparse.Namespace) -> pipeline.WriteOptions:
+    return pipeline.WriteOptions(args.heldout_fraction, max(1, int(args.shard_size_mb * 2**20)), args.writer_options)
+
+
+def _tokenizer(args: argparse.Namespace) -> pipeline.TokenizerOptions:
+    return pipeline.TokenizerOptions(args.tokenizer, args.vocab_size, args.eos_token)
+
+
+def pipeline_config(args: argparse.Namespace, inputs: tuple[tuple[str, str], ...]) -> pipeline.PipelineConfig:
+    reader = _reader(args) if hasattr(args, "text_field") else ReaderOptions()
+    return pipeline.PipelineConfig(inputs=inputs, out=args.out, reader=reader, rule_overrides=_rule_overrides(args),
+                                   minhash=_minhash(args), tokenizer=_tokenizer(args), write=_write(args),
+                                   workers=args.workers, max_reports=args.max_reports)
+
+
+# --- commands -----------------------------------------------------------------------------------------
+
+def _print_dataset(meta: dict[str, Any], run_counts: dict[str, int], out: str, seconds: float) -> None:
+    print("\n".join(report.summary_lines(meta)))
+    print(f"wrote {run_counts['shards_written']} shard(s), skipped {run_counts['shards_skipped']} already "
+          f"complete -> {os.path.join(out, 'metadata.json')} ({seconds:.1f} s)")
+
+
+def _print_stage(section: str, stats: dict[str, Any]) -> None:
+    print(f"{section}: {json.dumps(stats[section], sort_keys=True)}")
+    if section == "ingest":
+        print("\n".join(report.malformed_lines(stats["malformed"])))
+
+
+def run(args: argparse.Namespace) -> None:
+    start = time.time()
+    if args.command in ("pipeline", "sample"):
+        if args.command == "sample":
+            inputs, found = sample.build_sources(args.out, args.max_docs_per_domain)
+            print(f"sample: {found['code_candidates']} code / {found['prose_candidates']} prose candidates from "
+                  f"{found['stdlib']}; unreadable: {found['unreadable'] or 'none'}")
+        else:
+            inputs = tuple(args.input)
+        meta, counts = pipeline.run_pipeline(pipeline_config(args, inputs))
+        return _print_dataset(meta, counts, args.out, time.time() - start)
+    if args.command == "ingest":
+        docs, domains, stats = pipeline.ingest(tuple(args.input), _reader(args), args.workers, args.max_reports)
+        documents.save_docset(args.out, docs, domains, stats)
+        return _print_stage("ingest", stats)
+
+    docs, domains, stats = documents.load_docset(args.docset)
+    if args.command == "train-tokenizer":
+        tok = pipeline.build_tokenizer(docs, pipeline.TokenizerOptions(None, args.vocab_size), args.heldout_fraction)
+        atomic.write_text(args.out, tok.json)
+        return print(f"trained a {tok.vocab_size}-token byte-level BPE -> {args.out}")
+    if args.command == "write":
+        tok = pipeline.build_tokenizer(docs, _tokenizer(args), args.heldout_fraction)
+        meta, counts = pipeline.write_dataset(docs, domains, tok, _write(args), args.out, stats, args.workers)
+        return _print_dataset(meta, counts, args.out, time.time() - start)
+    if args.command == "clean":
+        docs, new = pipeline.clean(docs, args.workers)
+    elif args.command == "filter":
+        docs, new = pipeline.quality_filter(docs, domains, _rule_overrides(args), args.workers)
+    else:
+        docs, new = pipeline.deduplicate(docs, _minhash(args), args.workers)
+    documents.save_docset(args.out, docs, domains, pipeline.merge_stats(stats, new))
+    _print_stage(args.command, new)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except (FileNotFoundError, ImportError, ValueError) as err:  # a bad request: a message, not a traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0

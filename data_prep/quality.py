@@ -1,0 +1,151 @@
+"""Heuristic quality rules (after Gopher, Rae et al. 2021, App. A), configurable per domain.
+
+Each rule is a field of `QualityRules`; `None` switches it off. A document is removed by the *first*
+rule it fails, in field order, and counted under that rule's name, so the per-rule counts add up to
+the number of removed documents. Two presets: "prose" (all rules) and "code" (no stop-word or
+word-length rule, looser symbol/repetition limits: source code is symbol-heavy and repetitive by
+nature). A domain named `code*` gets the code preset unless configured otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections import Counter
+from typing import Any
+
+from data_prep.documents import Document
+
+# Gopher's stop-word rule: English prose contains these words; boilerplate, tables and junk rarely do.
+STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})
+_WORD = re.compile(r"\w+")
+_NOT_ALNUM = re.compile(r"[\W_]")
+_SPACE = re.compile(r"\s")
+_ASCII_ALNUM = bytes(c for c in range(128) if chr(c).isalnum())
+_ASCII_SPACE = bytes(c for c in range(128) if chr(c).isspace())
+
+
+@dataclasses.dataclass(frozen=True)
+class QualityRules:
+    min_chars: int | None = 50
+    max_chars: int | None = 200_000
+    mean_word_length: tuple[float, float] | None = (3.0, 10.0)  # inclusive range over \w+ words
+    symbol_ratio_max: float | None = 0.5  # (non-space, non-alphanumeric chars) / alphanumeric chars
+    duplicate_line_fraction_max: float | None = 0.3  # non-blank lines equal to an earlier line / non-blank lines
+    top_ngram_fraction_max: float | None = 0.2  # chars in the most repeated word n-gram / chars in all words
+    top_ngram_n: int = 2
+    stop_words_min: int | None = 2  # occurrences of STOP_WORDS (lower-cased)
+
+    @property
+    def rule_names(self) -> list[str]:
+        names = [f.name for f in dataclasses.fields(self) if f.name != "top_ngram_n"]
+        return [name for name in names if getattr(self, name) is not None]
+
+
+PRESETS: dict[str, QualityRules] = {
+    "prose": QualityRules(),
+    "code": QualityRules(min_chars=50, max_chars=1_000_000, mean_word_length=None, symbol_ratio_max=1.0,
+                         duplicate_line_fraction_max=0.5, top_ngram_fraction_max=0.3, stop_words_min=None),
+}
+
+
+def default_preset(domain: str) -> str:
+    return "code" if domain.startswith("code") else "prose"
+
+
+def rules_for(domain: str, overrides: dict[str, dict[str, Any]]) -> QualityRules:
+    """The preset for `domain` (named by `overrides[domain]["preset"]` or guessed) plus its overrides."""
+    fields = dict(overrides.get(domain, {}))
+    preset = fields.pop("preset", default_preset(domain))
+    if preset not in PRESETS:
+        raise ValueError(f"domain {domain!r}: unknown quality preset {preset!r}; choose from {sorted(PRESETS)}")
+    known = {f.name for f in dataclasses.fields(QualityRules)}
+    if unknown := set(fields) - known:
+        raise ValueError(f"domain {domain!r}: unknown quality rule(s) {sorted(unknown)}; known: {sorted(known)}")
+    if isinstance(fields.get("mean_word_length"), list):
+        fields["mean_word_length"] = tuple(fields["mean_word_length"])
+    return dataclasses.replace(PRESETS[preset], **fields)
+
+
+def parse_rule_override(arg: str) -> tuple[str, str, Any]:
+    """`DOMAIN.RULE=JSON` (e.g. `prose.min_chars=100`, `code.stop_words_min=null`) -> (domain, rule, value)."""
+    key, sep, value = arg.partition("=")
+    domain, dot, rule = key.rpartition(".")
+    if not sep or not dot:
+        raise ValueError(f"--rule {arg!r}: expected DOMAIN.RULE=VALUE, e.g. prose.min_chars=100")
+    try:
+        return domain, rule, json.loads(value)
+    except json.JSONDecodeError:
+        return domain, rule, value  # a bare word, e.g. preset=code
+
+
+# --- the rules -------------------------------------------------------------------------------------
+
+def _top_ngram_fraction(words: list[str], n: int) -> float:
+    if len(words) < n:
+        return 0.0
+    grams = Counter(zip(*(words[i:] for i in range(n)), strict=False))  # ragged tails end the n-grams
+    gram, count = grams.most_common(1)[0]
+    if count < 2:  # a phrase that occurs once is not repetition, however short the text
+        return 0.0
+    return count * sum(map(len, gram)) / max(sum(map(len, words)), 1)
+
+
+def _symbol_ratio(text: str) -> float:
+    """(non-space, non-alphanumeric chars) / alphanumeric chars."""
+    if text.isascii():  # bytes.translate deletes in C, ~20x faster than a Unicode-class regex
+        raw = text.encode("ascii")
+        n_alnum = len(raw) - len(raw.translate(None, _ASCII_ALNUM))
+        n_symbol = len(raw.translate(None, _ASCII_ALNUM + _ASCII_SPACE))
+    else:
+        n_alnum = len(_NOT_ALNUM.sub("", text))
+        n_symbol = len(_SPACE.sub("", text)) - n_alnum
+    return n_symbol / max(n_alnum, 1)
+
+
+def _duplicate_line_fraction(text: str) -> float:
+    lines = [line.strip() for line in text.split("\n") if line.strip()]
+    return (len(lines) - len(set(lines))) / len(lines) if lines else 0.0
+
+
+def first_failure(text: str, rules: QualityRules) -> str | None:
+    """The name of the first rule `text` fails, or None if it passes them all (cheap rules first)."""
+    if rules.min_chars is not None and len(text) < rules.min_chars:
+        return "min_chars"
+    if rules.max_chars is not None and len(text) > rules.max_chars:
+        return "max_chars"
+    words = _WORD.findall(text.lower())
+    if rules.mean_word_length is not None:
+        lo, hi = rules.mean_word_length
+        mean = sum(map(len, words)) / len(words) if words else 0.0
+        if not lo <= mean <= hi:
+            return "mean_word_length"
+    if rules.symbol_ratio_max is not None and _symbol_ratio(text) > rules.symbol_ratio_max:
+        return "symbol_ratio_max"
+    dup_lines, top_ngram = rules.duplicate_line_fraction_max, rules.top_ngram_fraction_max
+    if dup_lines is not None and _duplicate_line_fraction(text) > dup_lines:
+        return "duplicate_line_fraction_max"
+    if top_ngram is not None and _top_ngram_fraction(words, rules.top_ngram_n) > top_ngram:
+        return "top_ngram_fraction_max"
+    if rules.stop_words_min is not None and sum(w in STOP_WORDS for w in words) < rules.stop_words_min:
+        return "stop_words_min"
+    return None
+
+
+def filter_documents(docs: list[Document], rules: dict[str, QualityRules]) -> tuple[list[Document], dict[str, Any]]:
+    """(kept documents, per-domain {documents, kept, removed: {rule: count}}); `rules` maps every domain."""
+    kept: list[Document] = []
+    stats: dict[str, Any] = {}
+    for doc in docs:
+        domain_rules = rules[doc.domain]
+        counts = stats.setdefault(doc.domain, {"documents": 0, "kept": 0,
+                                               "removed": dict.fromkeys(domain_rules.rule_names, 0)})
+        counts["documents"] += 1
+        failed = first_failure(doc.text, domain_rules)
+        if failed is None:
+            counts["kept"] += 1
+            kept.append(doc)
+        else:
+            counts["removed"][failed] += 1
+    return kept, stats

@@ -1,0 +1,91 @@
+"""The tokenizer: train a byte-level BPE on the prepared text, or load any `tokenizer.json`.
+
+Trained tokenizers put `<|pad|>` at id 0 and `<|endoftext|>` at id 1, before the 256 byte symbols and
+the merges. HF `tokenizers` training is deterministic for the same texts in the same order (ties
+between equally frequent merges are broken by the pair itself), so a re-run rebuilds the same file.
+
+Documents are encoded with `encode_special_tokens=True`: a document that *contains* the text
+"<|endoftext|>" is tokenized as that text, so the only EOS ids in a record are the ones we append.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+PAD_TOKEN = "<|pad|>"
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN)  # ids 0 and 1 in a trained tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerInfo:
+    json: str  # the serialised tokenizer, exactly as it is written to <out>/tokenizer.json
+    source: str  # "trained" or the path it was loaded from
+    eos_token: str
+    eos_id: int
+    pad_id: int | None
+    vocab_size: int
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.json.encode("utf-8")).hexdigest()
+
+    def metadata(self) -> dict[str, Any]:
+        return {"path": "tokenizer.json", "sha256": self.sha256, "vocab_size": self.vocab_size,
+                "eos_id": self.eos_id, "eos_token": self.eos_token, "pad_id": self.pad_id, "source": self.source}
+
+
+def train_bpe(texts: Sequence[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE (GPT-2 pre-tokenizer regex, no prefix space) trained on `texts`."""
+    min_size = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
+    if vocab_size < min_size:
+        raise ValueError(f"vocab_size {vocab_size} < {min_size} (2 special tokens + 256 byte symbols)")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer, length=len(texts))
+    return tok
+
+
+def _describe(tok: Tokenizer, tokenizer_json: str, source: str, eos_token: str) -> TokenizerInfo:
+    eos_id = tok.token_to_id(eos_token)
+    if eos_id is None:
+        raise ValueError(f"tokenizer {source} has no token {eos_token!r}; pass its end-of-text token with --eos-token")
+    return TokenizerInfo(json=tokenizer_json, source=source, eos_token=eos_token, eos_id=eos_id,
+                         pad_id=tok.token_to_id(PAD_TOKEN), vocab_size=tok.get_vocab_size(with_added_tokens=True))
+
+
+def trained(texts: Sequence[str], vocab_size: int) -> TokenizerInfo:
+    tok = train_bpe(texts, vocab_size)
+    return _describe(tok, tok.to_str(pretty=True), "trained", EOS_TOKEN)
+
+
+def load(path: str, eos_token: str = EOS_TOKEN) -> TokenizerInfo:
+    """A `tokenizer.json` as-is (its exact bytes are what gets copied to the output)."""
+    with open(path, "rb") as f:  # bytes, not text mode: newline translation would change the copy
+        text = f.read().decode("utf-8")
+    try:
+        tok = Tokenizer.from_str(text)
+    except Exception as err:  # tokenizers raises a bare Exception for a malformed file
+        raise ValueError(f"{path} is not a valid tokenizer.json: {err}") from err
+    return _describe(tok, text, path, eos_token)
+
+
+def encoder(info: TokenizerInfo) -> Tokenizer:
+    tok = Tokenizer.from_str(info.json)
+    tok.encode_special_tokens = True
+    return tok
+
+
+def encode_documents(tok: Tokenizer, texts: Sequence[str], eos_id: int) -> list[np.ndarray]:
+    """One int32 array per text: its token ids followed by EOS."""
+    encodings = tok.encode_batch(list(texts), add_special_tokens=False)
+    return [np.asarray([*e.ids, eos_id], np.int32) for e in encodings]

@@ -1,0 +1,440 @@
+"""data_prep: cleaning, quality rules, deduplication, malformed input, formats, shards, resume, sample.
+
+References are independent of the code under test: exact Jaccard over Python sets for dedup, hand-written
+expected strings for cleaning, shards read back with Grain and decoded with the saved tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from data_prep import cli, dedup, minhash, quality, shards
+from data_prep.clean import clean_text
+from data_prep.documents import Document
+from data_prep.inputs import ReaderOptions
+from data_prep.pipeline import PipelineConfig, TokenizerOptions, WriteOptions, ingest, run_pipeline
+
+STOP = sorted(quality.STOP_WORDS)
+
+
+def _vocab(rng: np.random.Generator, n: int = 3000) -> list[str]:
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    return ["".join(rng.choice(letters, rng.integers(3, 10))) for _ in range(n)]
+
+
+def prose(rng: np.random.Generator, vocab: list[str], n_words: int) -> str:
+    """Random 'English-like' text: real stop words between pseudo-words, sentences of ~12 words."""
+    words = [STOP[rng.integers(len(STOP))] if rng.random() < 0.25 else vocab[rng.integers(len(vocab))]
+             for _ in range(n_words)]
+    sentences = [" ".join(words[i:i + 12]).capitalize() + "." for i in range(0, n_words, 12)]
+    return " ".join(sentences)
+
+
+def shingles(text: str, n: int = 5) -> set[tuple[str, ...]]:
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def jaccard(a: str, b: str) -> float:
+    sa, sb = shingles(a), shingles(b)
+    return len(sa & sb) / len(sa | sb)
+
+
+def config(tmp_path, inputs, **kw) -> PipelineConfig:
+    kw.setdefault("tokenizer", TokenizerOptions(vocab_size=300))
+    return PipelineConfig(inputs=tuple(inputs), out=str(tmp_path / "out"), **kw)
+
+
+def read_dataset(out: str, meta: dict) -> dict[tuple[str, str], list[np.ndarray]]:
+    import grain
+
+    records = {}
+    for domain, info in meta["domains"].items():
+        for split in shards.SPLITS:
+            paths = [os.path.join(out, p) for p in info[split]["shards"]]
+            source = grain.sources.ArrayRecordDataSource(paths) if paths else []
+            records[domain, split] = [np.frombuffer(source[i], "<i4") for i in range(len(source))]
+    return records
+
+
+def all_files(root: str) -> dict[str, bytes]:
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            with open(os.path.join(d, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(d, f), root)] = fh.read()
+    return out
+
+
+# --- clean -----------------------------------------------------------------------------------------
+
+def test_clean_text():
+    raw = "  indented\r\nline with trailing   \t\r\n\r\n\r\n\r\n\r\nafter\x00\x07 blanks\x7f\rCafe\u0301\tend \n\n"
+    assert clean_text(raw) == "  indented\nline with trailing\n\n\nafter blanks\nCaf\u00e9\tend"
+    assert clean_text("a\n\n\nb") == "a\n\n\nb"  # two blank lines are kept
+    assert clean_text(" \t\n \n") == ""
+
+
+# --- dedup -------------------------------------------------------------------------------------------
+
+def test_lsh_params_reach_recall_at_threshold():
+    for t in (0.85, 0.9):
+        bands, rows = minhash.lsh_params(t, 128)
+        assert bands * rows <= 128 and minhash.candidate_probability(t, bands, rows) >= 0.99
+        assert minhash.candidate_probability(t - 0.35, bands, rows) < 0.1  # few candidates far below t
+
+
+def test_dedup_finds_planted_duplicates_without_false_positives():
+    rng = np.random.default_rng(0)
+    vocab = _vocab(rng)
+    originals = [prose(rng, vocab, 400) for _ in range(300)]
+    near = {}  # original index -> near-duplicate with 3 or 4 words replaced (Jaccard 0.90-0.93)
+    for i in range(100, 200):
+        words = originals[i].split(" ")
+        for pos in rng.choice(np.arange(20, len(words) - 20, 6), 3 + i % 2, replace=False):
+            words[pos] = "zzz" + vocab[rng.integers(len(vocab))]
+        near[i] = " ".join(words)
+    related = []  # share ~half their text with an original: similar but below the threshold
+    for i in range(200, 220):
+        half = originals[i].split(" ")
+        related.append(" ".join(half[: len(half) // 2]) + " " + prose(rng, vocab, 200))
+    exact = [originals[i].replace(". ", ".\n  ") for i in range(20)]  # same text, other whitespace
+
+    sims = [jaccard(originals[i], t) for i, t in near.items()]
+    assert 0.9 <= min(sims) and max(sims) <= 0.93, (min(sims), max(sims))
+    assert max(jaccard(originals[200 + k], t) for k, t in enumerate(related)) < 0.6
+
+    docs = [Document("prose", f"orig:{i}", t) for i, t in enumerate(originals)]
+    docs += [Document("prose", f"near:{i}", t) for i, t in near.items()]
+    docs += [Document("prose", f"related:{k}", t) for k, t in enumerate(related)]
+    docs += [Document("prose", f"exact:{k}", t) for k, t in enumerate(exact)]
+    kept, stats = dedup.deduplicate(docs, minhash.MinHashConfig(), workers=1)
+    kept_sources = {d.source for d in kept}
+    removed = {d.source for d in docs} - kept_sources
+
+    assert all(f"orig:{i}" in kept_sources for i in range(300))  # the first of each cluster is kept
+    assert all(f"related:{k}" in kept_sources for k in range(20))  # no false positives
+    assert all(f"exact:{k}" in removed for k in range(20))
+    near_removed = {s for s in removed if s.startswith("near:")}
+    recall = len(near_removed) / len(near)
+    assert recall >= 0.95, recall
+    assert removed == near_removed | {f"exact:{k}" for k in range(20)}
+    assert stats["exact_duplicate_clusters"] == 20 and stats["exact_duplicates_removed"] == 20
+    assert stats["near_duplicate_clusters"] == stats["near_duplicates_removed"] == len(near_removed)
+    assert stats["removed"] == len(removed) and stats["kept"] == len(kept)
+    assert stats["per_domain"]["prose"]["near_duplicates"] == len(near_removed)
+
+
+# --- quality -----------------------------------------------------------------------------------------
+
+def test_each_quality_rule_removes_its_planted_document():
+    rng = np.random.default_rng(1)
+    vocab = _vocab(rng)
+    good = [prose(rng, vocab, 80) for _ in range(20)]
+    planted = {
+        "min_chars": "The cat and the dog.",
+        "max_chars": prose(rng, vocab, 800),
+        "mean_word_length": "The and of to " + " ".join(["incomprehensibilities", "internationalization"] * 4),
+        "symbol_ratio_max": "The {house} => [garden] && (the) || window <> with ##$$%% of @@!! to ;;:: and ~~^^ table.",
+        "duplicate_line_fraction_max": "\n".join(["The cat sat with the dog."] * 6 + vocab[:4]),
+        "top_ngram_fraction_max": " ".join(["the quick"] * 8 + vocab[:10]),
+        "stop_words_min": " ".join(vocab[10:40]),
+    }
+    rules = {"prose": quality.rules_for("prose", {"prose": {"max_chars": 3000}}),
+             "code": quality.rules_for("code", {})}
+    for rule, text in planted.items():
+        assert quality.first_failure(text, rules["prose"]) == rule, rule
+    docs = [Document("prose", f"g{i}", t) for i, t in enumerate(good)]
+    docs += [Document("prose", rule, t) for rule, t in planted.items()]
+    docs += [Document("code", "c", "def f(xs):\n    return [x ** 2 for x in xs if x]  # squares")]
+    kept, stats = quality.filter_documents(docs, rules)
+    assert [d.source for d in kept] == [f"g{i}" for i in range(20)] + ["c"]
+    assert stats["prose"]["removed"] == dict.fromkeys(planted, 1)
+    assert stats["prose"]["kept"] == 20 and stats["prose"]["documents"] == 27
+    # code skips the stop-word and word-length rules
+    assert "stop_words_min" not in stats["code"]["removed"] and stats["code"]["kept"] == 1
+
+
+def test_rule_overrides_and_errors():
+    r = quality.rules_for("web", {"web": {"preset": "code", "min_chars": 5, "mean_word_length": [2, 12]}})
+    assert r.min_chars == 5 and r.stop_words_min is None and r.mean_word_length == (2, 12)
+    assert quality.parse_rule_override("code.stop_words_min=null") == ("code", "stop_words_min", None)
+    with pytest.raises(ValueError, match="unknown quality rule"):
+        quality.rules_for("web", {"web": {"min_char": 5}})
+
+
+# --- inputs ------------------------------------------------------------------------------------------
+
+def test_malformed_inputs_are_reported_and_good_documents_survive(tmp_path, capsys):
+    rng = np.random.default_rng(2)
+    vocab = _vocab(rng)
+    texts = [prose(rng, vocab, 60) for _ in range(6)]
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jsonl").write_bytes(b"\n".join([
+        json.dumps({"text": texts[0]}).encode(),
+        b'{"text": "unterminated',
+        json.dumps({"body": texts[1]}).encode(),
+        b'{"text": "caf\xff bytes"}',
+        json.dumps({"text": 5}).encode(),
+        b"",
+        json.dumps({"text": texts[2], "id": 7}).encode(),
+    ]) + b"\n")
+    (src / "b.jsonl").write_bytes(b"")
+    (src / "c.txt").write_text(texts[3])
+    (src / "d.txt").write_bytes(texts[4].encode() + b"\nline two\n\x80\x81 broken\n")
+    (src / "e.txt").write_bytes(b"  \n")
+    a, b, d, e = (str(src / n) for n in ("a.jsonl", "b.jsonl", "d.txt", "e.txt"))
+
+    docs, _, stats = ingest((("prose", str(src)),), ReaderOptions())
+    got = {(r["location"], r["kind"]) for r in stats["malformed"]["reports"]}
+    assert got == {(f"{a}:2", "invalid_json"), (f"{a}:3", "missing_field"), (f"{a}:4", "invalid_utf8"),
+                   (f"{a}:5", "wrong_type"), (f"{a}:6", "blank_line"), (f"{b}:1", "empty_file"),
+                   (f"{d}:3", "invalid_utf8"), (f"{e}:1", "empty_file")}
+    assert stats["malformed"]["count"] == 8
+    assert stats["malformed"]["by_kind"] == {"blank_line": 1, "empty_file": 2, "invalid_json": 1,
+                                             "invalid_utf8": 2, "missing_field": 1, "wrong_type": 1}
+    assert [d.text for d in docs] == [texts[0], texts[2], texts[3]]
+    assert stats["ingest"]["prose"] == {"files": 5, "documents": 3, "malformed": 8}
+
+    out = tmp_path / "out"
+    assert cli.main(["pipeline", "--input", f"prose={src}", "--out", str(out), "--workers", "1",
+                     "--vocab-size", "300", "--heldout-fraction", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert f"{a}:2: invalid_json" in printed and f"{d}:3: invalid_utf8" in printed
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["malformed"]["count"] == 8 and meta["domains"]["prose"]["train"]["documents"] == 3
+
+
+def test_missing_input_is_a_clear_error(tmp_path, capsys):
+    code = cli.main(["pipeline", "--input", f"prose={tmp_path}/nope/*.jsonl", "--out", str(tmp_path / "o")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "nope/*.jsonl" in err and "no file" in err
+    with pytest.raises(SystemExit):
+        cli.main(["pipeline", "--input", "no-equals-sign", "--out", str(tmp_path / "o")])
+
+
+def test_text_lines_mode(tmp_path):
+    (tmp_path / "l.txt").write_text("first document here\n\nsecond one\n")
+    docs, _, stats = ingest((("p", str(tmp_path / "l.txt")),), ReaderOptions(text_lines=True))
+    assert [(d.source.rsplit(":", 1)[1], d.text) for d in docs] == [("1", "first document here"), ("2", ""),
+                                                                    ("3", "second one")]
+
+
+# --- formats, shards, round trip ---------------------------------------------------------------------
+
+def test_jsonl_text_parquet_round_trip(tmp_path):
+    pa = pytest.importorskip("pyarrow", reason="pyarrow is not installed (pip install 'glm46_jax[data]')")
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer
+
+    rng = np.random.default_rng(3)
+    vocab = _vocab(rng)
+    web = [prose(rng, vocab, 100) for _ in range(30)]
+    books = [prose(rng, vocab, 150) for _ in range(5)]
+    code = [f"def f{i}(x):\n    y = x * {i} + {vocab[i]!r}  # ünïcode ✓\n    return {{y: {vocab[i + 1]!r}}}\n"
+            for i in range(12)]
+    (tmp_path / "web.jsonl").write_text("".join(json.dumps({"content": t}) + "\n" for t in web))
+    os.makedirs(tmp_path / "books")
+    for i, t in enumerate(books):  # CRLF + trailing spaces: the expected text is the cleaned one
+        (tmp_path / "books" / f"{i}.txt").write_bytes(t.replace(". ", ".   \r\n").encode())
+    pq.write_table(pa.table({"content": code}), tmp_path / "code.parquet")
+
+    inputs = [("web", str(tmp_path / "web.jsonl")), ("books", str(tmp_path / "books/*.txt")),
+              ("code", str(tmp_path / "code.parquet"))]
+    cfg = config(tmp_path, inputs, reader=ReaderOptions(text_field="content"),
+                 write=WriteOptions(heldout_fraction=0.2, shard_bytes=4000))
+    meta, run = run_pipeline(cfg)
+    expected = {"web": web, "books": [t.replace(". ", ".\n") for t in books], "code": [t.rstrip("\n") for t in code]}
+
+    tok = Tokenizer.from_file(os.path.join(cfg.out, "tokenizer.json"))
+    assert tok.token_to_id("<|pad|>") == 0 and tok.token_to_id("<|endoftext|>") == 1
+    assert meta["tokenizer"] == {**meta["tokenizer"], "eos_id": 1, "pad_id": 0, "vocab_size": 300,
+                                 "path": "tokenizer.json"}
+    records = read_dataset(cfg.out, meta)
+    for domain, texts in expected.items():
+        decoded = {}
+        for split in shards.SPLITS:
+            recs = records[domain, split]
+            info = meta["domains"][domain][split]
+            assert info["documents"] == len(recs) and info["tokens"] == sum(r.size for r in recs)
+            for r in recs:
+                assert r[-1] == 1 and 1 not in r[:-1]  # exactly one EOS, at the end
+            decoded[split] = [tok.decode(r[:-1].tolist()) for r in recs]
+            assert decoded[split] == [t for t in texts if t in decoded[split]]  # pipeline order kept
+        assert sorted(decoded["train"] + decoded["heldout"]) == sorted(texts)
+    assert records["web", "heldout"] and records["web", "train"]
+    assert len(meta["domains"]["web"]["train"]["shards"]) > 1  # shard_bytes forces several shards
+    on_disk = {p for p in all_files(cfg.out) if p.endswith(".array_record")}
+    assert on_disk == {p for d in meta["domains"].values() for s in shards.SPLITS for p in d[s]["shards"]}
+    assert all(re.fullmatch(r"\w+/(train|heldout)/shard-\d{5}-of-\d{5}\.array_record", p) for p in on_disk)
+    assert run == {"shards_written": len(on_disk), "shards_skipped": 0}
+
+
+@functools.cache  # TFDS registers builder classes by name: define this one once per process
+def _tiny_tfds_builder():
+    import tensorflow_datasets as tfds
+
+    class DataPrepTinyText(tfds.core.GeneratorBasedBuilder):
+        VERSION = tfds.core.Version("1.0.0")
+
+        def _info(self):
+            return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
+                {"text": tfds.features.Text(), "n": tfds.features.Tensor(shape=(), dtype=np.int32)}))
+
+        def _split_generators(self, dl_manager):
+            return {"train": self._generate_examples()}
+
+        def _generate_examples(self):
+            rng = np.random.default_rng(4)
+            vocab = _vocab(rng, 500)
+            for i in range(12):
+                yield i, {"text": prose(rng, vocab, 40 + i), "n": i}
+
+    return DataPrepTinyText
+
+
+def test_tfds_input_without_tensorflow(tmp_path):
+    tfds = pytest.importorskip("tensorflow_datasets", reason="tensorflow-datasets is not installed")
+    data_dir = str(tmp_path / "tfds")
+    _tiny_tfds_builder()(data_dir=data_dir, file_format="array_record").download_and_prepare()
+    source = tfds.data_source("data_prep_tiny_text", split="train", data_dir=data_dir)
+    want = sorted(source[i]["text"].decode() for i in range(len(source)))
+
+    cfg = config(tmp_path, [("prose", "tfds:data_prep_tiny_text@train")],
+                 reader=ReaderOptions(tfds_data_dir=data_dir), write=WriteOptions(heldout_fraction=0.0))
+    meta, _ = run_pipeline(cfg)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(cfg.out, "tokenizer.json"))
+    got = sorted(tok.decode(r[:-1].tolist()) for r in read_dataset(cfg.out, meta)["prose", "train"])
+    assert got == want and len(got) == 12
+    assert "tensorflow" not in sys.modules
+    with pytest.raises(FileNotFoundError, match="no_such_dataset"):
+        run_pipeline(config(tmp_path, [("p", "tfds:no_such_dataset")], reader=ReaderOptions(tfds_data_dir=data_dir)))
+
+
+# --- resume and determinism -------------------------------------------------------------------------
+
+@pytest.fixture
+def small_corpus(tmp_path):
+    rng = np.random.default_rng(5)
+    vocab = _vocab(rng)
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": prose(rng, vocab, 120)}) + "\n" for _ in range(60)))
+    return [("prose", str(path))]
+
+
+def test_resume_after_lost_or_torn_shards_is_byte_identical(tmp_path, small_corpus):
+    cfg = config(tmp_path, small_corpus, write=WriteOptions(heldout_fraction=0.1, shard_bytes=8000))
+    _, run = run_pipeline(cfg)
+    reference = all_files(cfg.out)
+    train_shards = sorted(p for p in reference if p.startswith("prose/train/shard-"))
+    assert len(train_shards) >= 4 and run["shards_skipped"] == 0
+
+    lost, torn = (os.path.join(cfg.out, p) for p in train_shards[:2])
+    os.remove(lost)  # a shard that was never written (marker kept: it must not be trusted alone)
+    with open(torn, "r+b") as f:  # a shard whose file does not match its marker
+        f.truncate(100)
+    os.remove(os.path.join(cfg.out, "metadata.json"))
+    open(os.path.join(os.path.dirname(lost), f".{os.path.basename(lost)}.999.tmp"), "wb").close()  # crash leftover
+    _, run = run_pipeline(cfg)
+    n_shards = sum(p.endswith(".array_record") for p in reference)
+    assert run == {"shards_written": 2, "shards_skipped": n_shards - 2}
+    after = all_files(cfg.out)
+    assert {p: b for p, b in after.items() if not p.endswith(".tmp")} == reference
+
+
+def test_interrupted_run_resumes_to_identical_output(tmp_path, small_corpus, monkeypatch):
+    full = config(tmp_path / "full", small_corpus, write=WriteOptions(shard_bytes=8000))
+    run_pipeline(full)
+    reference = all_files(full.out)
+
+    cfg = dataclasses.replace(full, out=str(tmp_path / "crash" / "out"))
+    real_write, calls = shards.write_shard, []
+
+    def crash_after_two(task):
+        if len(calls) == 2:
+            raise RuntimeError("simulated crash")
+        calls.append(task.path)
+        return real_write(task)
+
+    monkeypatch.setattr(shards, "write_shard", crash_after_two)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_pipeline(cfg)
+    monkeypatch.setattr(shards, "write_shard", real_write)
+    assert not os.path.exists(os.path.join(cfg.out, "metadata.json"))  # incomplete datasets have no metadata
+    _, run = run_pipeline(cfg)
+    assert run["shards_skipped"] == 2 and run["shards_written"] >= 1
+    assert all_files(cfg.out) == reference
+
+
+def test_workers_and_stage_commands_give_the_same_dataset(tmp_path, small_corpus):
+    (domain, path), = small_corpus
+    flags = ["--vocab-size", "300", "--shard-size-mb", "0.01"]
+    one, two, staged = (str(tmp_path / n) for n in ("one", "two", "staged"))
+    assert cli.main(["pipeline", "--input", f"{domain}={path}", "--out", one, "--workers", "1", *flags]) == 0
+    assert cli.main(["pipeline", "--input", f"{domain}={path}", "--out", two, "--workers", "2", *flags]) == 0
+    sets = [str(tmp_path / f"set{i}") for i in range(4)]
+    assert cli.main(["ingest", "--input", f"{domain}={path}", "--out", sets[0], "--workers", "1"]) == 0
+    for i, stage in enumerate(("clean", "filter", "dedup")):
+        assert cli.main([stage, "--docset", sets[i], "--out", sets[i + 1], "--workers", "1"]) == 0
+    assert cli.main(["write", "--docset", sets[3], "--out", staged, "--workers", "1", *flags]) == 0
+    reference = all_files(one)
+    assert all_files(two) == reference and all_files(staged) == reference
+
+
+def test_loaded_tokenizer_and_literal_special_tokens(tmp_path, small_corpus):
+    first = config(tmp_path / "a", small_corpus)
+    run_pipeline(first)
+    tok_path = os.path.join(first.out, "tokenizer.json")
+    doc = tmp_path / "special.jsonl"
+    doc.write_text(json.dumps({"text": "The text <|endoftext|> of the doc, with <|pad|> inside it to be read."}) + "\n")
+    cfg = config(tmp_path / "b", [("prose", str(doc))], tokenizer=TokenizerOptions(path=tok_path),
+                 write=WriteOptions(heldout_fraction=0.0))
+    meta, _ = run_pipeline(cfg)
+    (record,) = read_dataset(cfg.out, meta)["prose", "train"]
+    assert record[-1] == 1 and 1 not in record[:-1] and 0 not in record  # literal tokens are just text
+    with open(tok_path, "rb") as a, open(os.path.join(cfg.out, "tokenizer.json"), "rb") as b:
+        assert a.read() == b.read()  # a loaded tokenizer is copied byte for byte
+    assert meta["tokenizer"]["source"] == tok_path
+    with pytest.raises(ValueError, match="<eos>"):
+        run_pipeline(dataclasses.replace(cfg, tokenizer=TokenizerOptions(path=tok_path, eos_token="<eos>")))
+
+
+# --- the embedded sample corpus ------------------------------------------------------------------------
+
+def test_sample_command_builds_both_domains(tmp_path, capsys):
+    out = tmp_path / "sample"
+    assert cli.main(["sample", "--out", str(out), "--max-docs-per-domain", "60", "--workers", "1",
+                     "--vocab-size", "300", "--heldout-fraction", "0.05"]) == 0
+    meta = json.loads((out / "metadata.json").read_text())
+    for domain in ("code", "prose"):
+        assert meta["domains"][domain]["train"]["tokens"] > 10_000
+        assert meta["domains"][domain]["ingest"]["documents"] == 60
+    printed = capsys.readouterr().out
+    assert "[code] train:" in printed and "[prose] train:" in printed
+    assert (out / "_source" / "code.jsonl").exists()
+
+
+def test_changed_config_rewrites_shards_and_reports_stale_ones(tmp_path, small_corpus):
+    cfg = config(tmp_path, small_corpus, write=WriteOptions(heldout_fraction=0.0, shard_bytes=8000))
+    first, _ = run_pipeline(cfg)
+    regrouped = dataclasses.replace(cfg, write=WriteOptions(heldout_fraction=0.0, shard_bytes=20000))
+    meta, run = run_pipeline(regrouped)
+    old, new = (set(m["domains"]["prose"]["train"]["shards"]) for m in (first, meta))
+    assert old.isdisjoint(new) and run["shards_skipped"] == 0
+    assert meta["stale_shards"] == sorted(old)  # reported, not deleted
+    assert all(os.path.exists(os.path.join(cfg.out, p)) for p in old)
+    with pytest.raises(ValueError, match="no --input"):
+        run_pipeline(dataclasses.replace(cfg, rule_overrides={"typo": {"min_chars": 1}}))
+    with pytest.raises(ValueError, match="heldout_fraction"):
+        WriteOptions(heldout_fraction=1.5)

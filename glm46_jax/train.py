@@ -104,7 +104,7 @@ def train(config: ml_collections.ConfigDict,
     first: dict[str, float] = {}
     last_eval: dict[str, float] = {}
     phases_seen: list[str] = []
-    mfu_num = mfu_den = 0.0
+    mfu_num = 0.0
     with sharding.use_mesh(run.mesh):
         phase, batch, ctrl, tokens_after = next_batch()
     writer = metrics.MetricWriter(run_dir, enabled=is_main, tensorboard=tcfg.tensorboard)

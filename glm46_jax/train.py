@@ -116,7 +116,10 @@ def train(config: ml_collections.ConfigDict,
             if not phases_seen or phases_seen[-1] != phase.name:
                 phases_seen.append(phase.name)
                 bar.set_description(f"train [{phase.name}]")
+            compiled_before = compile_s
             train_step, eval_step = steps_for(phase, batch, ctrl)
+            if compile_s != compiled_before:  # a new phase's compile is not step time
+                t_log += compile_s - compiled_before
             t_step = time.perf_counter()
             state, step_metrics = train_step(state, batch, ctrl)
             history.append(step_metrics)

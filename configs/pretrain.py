@@ -62,6 +62,7 @@ _PRESETS = {
         model=dict(),
         mesh=dict(data=-1),
         train=dict(log_every=25, eval_every=100, eval_batches=4),
+        checkpoint=dict(every=100),
         optim=dict(lr=3e-3, end_lr=3e-4, warmup_steps=30),
         # GLM switches at the end of the general phase (15T); here at its end too.
         loss=dict(mtp_boundary_tokens=409_600.0),
@@ -113,6 +114,13 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.train = dict(steps=0, seed=0, log_every=50, eval_every=500, eval_batches=8, accum_steps=1,
                    max_nonfinite=10, tensorboard=True)
     c.train.update(p.get("train", {}))
+
+    # Orbax checkpoints in <run_dir>/checkpoints: every N steps (and at the end, and on SIGTERM/SIGUSR1),
+    # the last `keep` (0 = all) plus, with keep_best, the best by held-out CE. resume: "auto" continues
+    # from the newest complete checkpoint, "never" starts over. init_from: a run dir / checkpoint
+    # (e.g. from `python -m glm46_jax.convert hf-to-ckpt`) whose weights start a new run.
+    c.checkpoint = dict(every=500, keep=3, keep_best=False, async_save=True, resume="auto", init_from="")
+    c.checkpoint.update(p.get("checkpoint", {}))
 
     # The corpus written by data_prep (`<root>/<domain>/<split>/*.array_record` + metadata.json).
     c.data = dict(root="data/corpus", seed=0, num_workers=0, read_threads=2)

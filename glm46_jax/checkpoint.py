@@ -1,17 +1,19 @@
-"""Minimal final-weights checkpoint: params + buffers + model config, enough to score a run.
+"""Checkpoints: Orbax `CheckpointManager`, one composite checkpoint per step, async, resumable.
 
-    save_params(run_dir / "checkpoints", step, params, buffers, model_cfg)
-    cfg, graphdef, params, buffers = load_params(run_dir, mesh)
+    ckpt = Checkpointer(run_dir, every=100, keep=3)
+    ckpt.save(step, state, data_state, meta)               # async; returns at once
+    restored = ckpt.restore_latest(target_state)           # None when there is nothing to resume
+    cfg, graphdef, params, buffers = load_params(run_dir_or_step_dir, mesh)   # weights only
 
-Layout of one checkpoint, `<dir>/<step>/`:
-    state/              Orbax StandardCheckpointer: {"params": ..., "buffers": ...} as pure dicts
-    model_config.json   dataclasses.asdict(ModelConfig); written last, so its presence marks a
-                        complete checkpoint
+Layout, `<run>/checkpoints/<step>/` (Orbax writes it under a temporary name and renames it when
+complete, so a half-written step never looks like a step):
+    model/       params + buffers (the routers' correction biases) as pure nested dicts
+    optimizer/   {"step", "opt_state"}: the optax state mirrors the params (nnx.State leaves)
+    data/        JSON: every process's data-iterator state (the curriculum's, see data.curriculum)
+    meta/        JSON: model config, resolved run config, tokens seen, tokenizer reference
+`save_params` (final weights, `convert hf-to-ckpt`) writes only model/ and meta/.
 
-Weights are stored as plain nested dicts (`nnx.to_pure_dict`), not NNX Variables, so the
-on-disk format does not depend on Flax internals. This is not the training checkpoint: the
-resumable Orbax CheckpointManager (optimizer state, data iterator, async, preemption) arrives in
-a later issue.
+Nothing on any load path unpickles: Orbax arrays (OCDBT/zarr) and JSON only.
 """
 
 from __future__ import annotations
@@ -20,18 +22,21 @@ import contextlib
 import dataclasses
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from glm46_jax.config import RUNTIME_FIELDS, ModelConfig, model_config_from_dict
 from glm46_jax.model import abstract_model
 
-MODEL_CONFIG = "model_config.json"
-STATE = "state"
+CHECKPOINTS = "checkpoints"
+ITEMS = ("model", "optimizer", "data", "meta")
 # How the model runs may change at load time; what it is (param_dtype included) comes from the weights.
 _OVERRIDABLE = tuple(f for f in RUNTIME_FIELDS if f != "param_dtype")
 
@@ -47,32 +52,154 @@ def _quiet_orbax():
         logging.set_verbosity(level)
 
 
+def _model_tree(params: nnx.State, buffers: nnx.State) -> dict[str, Any]:
+    # Pure dicts, not NNX Variables: the weights' on-disk format does not depend on Flax internals.
+    return {"params": nnx.to_pure_dict(params), "buffers": nnx.to_pure_dict(buffers)}
+
+
+def _all_processes_json(obj: Any) -> list[Any]:
+    """Every process's `obj` (JSON-able), gathered: each holds a different data-iterator state."""
+    if jax.process_count() == 1:
+        return [obj]
+    raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    size = int(np.max(multihost_utils.process_allgather(np.int32(raw.size))))
+    padded = np.zeros(size, np.uint8)
+    padded[:raw.size] = raw
+    rows = multihost_utils.process_allgather(padded)
+    return [json.loads(bytes(r).rstrip(b"\0").decode()) for r in rows]
+
+
+def _manager(directory: str, every: int = 1, keep: int | None = None, *, async_save: bool = True,
+             best_metric: str | None = None) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(
+        save_interval_steps=max(int(every), 1), max_to_keep=keep, enable_async_checkpointing=async_save,
+        # keep also the best by eval loss (lower is better) when asked; Orbax deletes an old step only
+        # after the new one is committed.
+        best_fn=(lambda m: m[best_metric]) if best_metric else None, best_mode="min",
+        keep_checkpoints_without_metrics=True, create=True)
+    return ocp.CheckpointManager(directory, item_names=ITEMS, options=options)
+
+
+class Checkpointer:
+    """The run's training checkpoints (`<run_dir>/checkpoints`); every process must make the same calls."""
+
+    def __init__(self, run_dir: str, *, every: int, keep: int | None = 3, async_save: bool = True,
+                 best_metric: str | None = None):
+        self.directory = os.path.join(os.path.abspath(run_dir), CHECKPOINTS)
+        self.every = max(int(every), 1)
+        self._mngr = _manager(self.directory, self.every, keep, async_save=async_save, best_metric=best_metric)
+
+    def due(self, step: int) -> bool:
+        """A regular save at `step`, or Orbax's multi-host preemption sync point was reached."""
+        return step % self.every == 0 or self._mngr.reached_preemption(step)
+
+    def save(self, step: int, state, data_state: Any, meta: dict[str, Any],
+             metrics: dict[str, float] | None = None) -> None:
+        """Start writing `step` (async: returns once the arrays are copied off the devices)."""
+        args = ocp.args.Composite(
+            model=ocp.args.StandardSave(_model_tree(state.params, state.buffers)),
+            optimizer=ocp.args.StandardSave({"step": state.step, "opt_state": state.opt_state}),
+            data=ocp.args.JsonSave({"processes": _all_processes_json(data_state)}),
+            meta=ocp.args.JsonSave(meta))
+        with _quiet_orbax():
+            self._mngr.save(step, args=args, metrics=metrics, force=True)
+
+    def wait(self) -> None:
+        with _quiet_orbax():
+            self._mngr.wait_until_finished()
+
+    def steps(self) -> list[int]:
+        return sorted(self._mngr.all_steps())
+
+    def restore_latest(self, target) -> tuple[int, Any, Any, dict[str, Any]] | None:
+        """(step, state, this process's data state, meta) of the newest checkpoint that restores.
+
+        `target` is a TrainState laid out on the *current* mesh (e.g. a freshly initialised one):
+        its shardings are the restore target, so a checkpoint saved on another mesh lands directly
+        in this one's layout. A damaged newest step (missing or truncated file) is skipped with a
+        warning naming it, and the one before is tried.
+        """
+        for step in reversed(self.steps()):
+            try:
+                return (step, *self._restore(step, target))
+            except Exception as e:  # noqa: BLE001 - any failure to read a step means: try the previous one
+                logging.warning("checkpoint %s is damaged or incomplete (%s: %s); trying the previous one",
+                                os.path.join(self.directory, str(step)), type(e).__name__, str(e)[:300])
+        return None
+
+    def _restore(self, step: int, target):
+        abstract = lambda tree: jax.tree.map(  # noqa: E731
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+        model_target = abstract(_model_tree(target.params, target.buffers))
+        opt_target = abstract({"step": target.step, "opt_state": target.opt_state})
+        with _quiet_orbax():
+            r = self._mngr.restore(step, args=ocp.args.Composite(
+                model=ocp.args.StandardRestore(model_target), optimizer=ocp.args.StandardRestore(opt_target),
+                data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+        processes = r["data"]["processes"]
+        if len(processes) != jax.process_count():
+            raise ValueError(f"saved by {len(processes)} processes, restoring with {jax.process_count()}: the "
+                             "data iterators cannot be split differently (start a new run from the weights)")
+        params, buffers = jax.tree.map(lambda x: x, (target.params, target.buffers))  # copies of the structure
+        nnx.replace_by_pure_dict(params, r["model"]["params"])
+        nnx.replace_by_pure_dict(buffers, r["model"]["buffers"])
+        state = target.replace(step=r["optimizer"]["step"], params=params, buffers=buffers,
+                               opt_state=r["optimizer"]["opt_state"])
+        return state, processes[jax.process_index()], dict(r["meta"])
+
+    def close(self) -> None:
+        self.wait()
+        self._mngr.close()
+
+
+# --- weights only: final params, scoring, export --------------------------------------------
+
 def save_params(directory: str | os.PathLike, step: int, params: nnx.State, buffers: nnx.State,
-                model_cfg: ModelConfig) -> str:
-    """Write `<directory>/<step>/`; every process must call it (Orbax saves collectively)."""
-    step_dir = os.path.join(os.path.abspath(os.fspath(directory)), str(int(step)))
-    tree = {"params": nnx.to_pure_dict(params), "buffers": nnx.to_pure_dict(buffers)}
-    with _quiet_orbax(), ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(os.path.join(step_dir, STATE), tree)
-        checkpointer.wait_until_finished()
-    if jax.process_index() == 0:
-        with open(os.path.join(step_dir, MODEL_CONFIG), "w") as f:
-            json.dump(dataclasses.asdict(model_cfg), f, indent=2)
-    return step_dir
+                model_cfg: ModelConfig, meta: dict[str, Any] | None = None) -> str:
+    """Write `<directory>/<step>/{model,meta}` synchronously; every process must call it."""
+    directory = os.path.abspath(os.fspath(directory))
+    mngr = _manager(directory, async_save=False)
+    args = {"model": ocp.args.StandardSave(_model_tree(params, buffers)),
+            "meta": ocp.args.JsonSave({**(meta or {}), "model_config": dataclasses.asdict(model_cfg)})}
+    with _quiet_orbax():
+        mngr.save(int(step), args=ocp.args.Composite(**args), force=True)
+        mngr.wait_until_finished()
+        mngr.close()
+    return os.path.join(directory, str(int(step)))
+
+
+def _step_dirs(path: str) -> Iterator[tuple[int, str]]:
+    if os.path.isdir(path):
+        for d in os.listdir(path):
+            if d.isdigit() and os.path.isfile(os.path.join(path, d, "meta", "metadata")):
+                yield int(d), os.path.join(path, d)
 
 
 def latest_checkpoint(path: str | os.PathLike) -> str:
     """A step directory from a step dir, a `checkpoints/` dir, or a run dir (the highest step wins)."""
-    path = os.fspath(path)
-    if os.path.isfile(os.path.join(path, MODEL_CONFIG)):
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isfile(os.path.join(path, "meta", "metadata")):
         return path
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-        path = os.path.join(path, "checkpoints")
-    steps = [int(d) for d in os.listdir(path) if d.isdigit() and os.path.isfile(os.path.join(path, d, MODEL_CONFIG))] \
-        if os.path.isdir(path) else []
+    if os.path.isdir(os.path.join(path, CHECKPOINTS)):
+        path = os.path.join(path, CHECKPOINTS)
+    steps = dict(_step_dirs(path))
     if not steps:
-        raise FileNotFoundError(f"{path}: no complete checkpoint (a <step>/{MODEL_CONFIG} directory) found")
-    return os.path.join(path, str(max(steps)))
+        raise FileNotFoundError(f"{path}: not a checkpoint: no complete <step>/ directory (with meta/ and model/) "
+                                "found. Pass a run dir, its checkpoints/ dir or one step dir.")
+    return steps[max(steps)]
+
+
+def read_meta(step_dir: str) -> dict[str, Any]:
+    with open(os.path.join(step_dir, "meta", "metadata")) as f:
+        return json.load(f)
+
+
+def tokenizer_path(step_dir: str) -> str | None:
+    """The run's tokenizer.json: next to the weights, in the run dir, or where the corpus had it."""
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(step_dir)))
+    candidates = [os.path.join(step_dir, "tokenizer.json"), os.path.join(run_dir, "tokenizer.json"),
+                  (read_meta(step_dir).get("tokenizer") or {}).get("path") or ""]
+    return next((p for p in candidates if p and os.path.isfile(p)), None)
 
 
 def load_params(path: str | os.PathLike, mesh: jax.sharding.Mesh, **runtime: Any
@@ -83,18 +210,17 @@ def load_params(path: str | os.PathLike, mesh: jax.sharding.Mesh, **runtime: Any
     come from the model's logical axes on *this* mesh. `runtime` overrides non-architecture
     fields of the saved config (dtype, attention_impl, remat, ...); weights keep `param_dtype`.
     """
-    step_dir = os.path.abspath(latest_checkpoint(path))
-    with open(os.path.join(step_dir, MODEL_CONFIG)) as f:
-        cfg = model_config_from_dict(json.load(f))
+    step_dir = latest_checkpoint(path)
+    cfg = model_config_from_dict(read_meta(step_dir)["model_config"])
     unknown = sorted(set(runtime) - set(_OVERRIDABLE))
     if unknown:
         raise ValueError(f"load_params: {unknown} are not runtime fields {_OVERRIDABLE}; the architecture "
                          "comes from the checkpoint")
     cfg = cfg.replace(**runtime)
     graphdef, abstract_params, abstract_buffers = abstract_model(cfg, mesh)
-    target = {"params": nnx.to_pure_dict(abstract_params), "buffers": nnx.to_pure_dict(abstract_buffers)}
+    target = _model_tree(abstract_params, abstract_buffers)
     with _quiet_orbax(), ocp.StandardCheckpointer() as checkpointer:
-        restored = checkpointer.restore(os.path.join(step_dir, STATE), target)
+        restored = checkpointer.restore(os.path.join(step_dir, "model"), target)
     nnx.replace_by_pure_dict(abstract_params, restored["params"])
     nnx.replace_by_pure_dict(abstract_buffers, restored["buffers"])
     return cfg, graphdef, abstract_params, abstract_buffers

@@ -152,12 +152,13 @@ class MetricWriter:
     Each `write` appends one JSON line `{"step": step, **scalars}` and flushes both outputs, so a
     run can be watched while it goes. Values become Python floats; non-finite ones are `null` in
     the JSONL (JSON cannot hold NaN/inf) and are kept as-is in TensorBoard. The JSONL is truncated
-    at construction: one fresh log per run, even when `run_dir` is reused.
+    at construction (one fresh log per run, even when `run_dir` is reused) unless `append=True`
+    (a resumed run continues its log).
     With `enabled=False` (processes other than 0 in a multi-host run) every method does nothing
     and nothing is created on disk.
     """
 
-    def __init__(self, run_dir: str, *, enabled: bool = True, tensorboard: bool = True):
+    def __init__(self, run_dir: str, *, enabled: bool = True, tensorboard: bool = True, append: bool = False):
         self.run_dir = run_dir
         self._jsonl = None
         self._tensorboard = None
@@ -165,7 +166,7 @@ class MetricWriter:
             return
         os.makedirs(run_dir, exist_ok=True)
         # Not a with-block: the file stays open across writes and is closed in close().
-        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "w")  # noqa: SIM115
+        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a" if append else "w")  # noqa: SIM115
         if tensorboard:
             # Imported here: tensorboardX pulls in protobuf, which `import glm46_jax.metrics` should not pay for.
             from tensorboardX import SummaryWriter

@@ -4,7 +4,7 @@
     python -m glm46_jax.score --checkpoint runs/tiny --text "def f(x):" --out logits.npy
 
 `--text` needs a tokenizer: `<hf-dir>/tokenizer.json`, or for a checkpoint the corpus tokenizer that
-training copied next to it (`<step>/tokenizer.json`), or any `tokenizer.json` given with `--tokenizer`.
+training copied into its run dir (`checkpoint.tokenizer_path`), or any `tokenizer.json` given with `--tokenizer`.
 """
 
 from __future__ import annotations
@@ -67,9 +67,10 @@ def _load(args, mesh):
         cfg, graphdef, params, buffers = load_hf(args.hf_dir, mesh, **runtime)
         default_tok = os.path.join(args.hf_dir, "tokenizer.json")
     else:
-        from glm46_jax.checkpoint import latest_checkpoint, load_params
+        from glm46_jax.checkpoint import latest_checkpoint, load_params, tokenizer_path
         cfg, graphdef, params, buffers = load_params(args.checkpoint, mesh, **runtime)
-        default_tok = os.path.join(latest_checkpoint(args.checkpoint), "tokenizer.json")  # train copies it there
+        step_dir = latest_checkpoint(args.checkpoint)
+        default_tok = tokenizer_path(step_dir) or os.path.join(step_dir, "tokenizer.json")
     return cfg, graphdef, params, buffers, args.tokenizer or default_tok
 
 

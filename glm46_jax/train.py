@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
+import json
 import os
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -47,6 +51,45 @@ def _eval_set(run: Run, phase: Phase, batches: int) -> list[dict[str, jax.Array]
     return [run.device_batch(next(it), train=False) for _ in range(batches)]
 
 
+class _Preemption:
+    """SIGTERM / SIGUSR1 (Slurm `--signal`) ask the loop to finish its step, save and stop.
+
+    A context manager: the previous handlers come back afterwards (tests run many trainings).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        del frame
+        self.requested = signal.Signals(signum).name
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def _run_tokenizer(run_dir: str, corpus_root: str, is_main: bool) -> dict[str, str] | None:
+    """Copy the corpus's tokenizer.json into the run dir (scoring and export find it there)."""
+    source = os.path.join(corpus_root, "tokenizer.json")
+    if not os.path.exists(source):
+        return None
+    with open(source, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    target = os.path.join(run_dir, "tokenizer.json")
+    if is_main:
+        shutil.copy(source, target)
+    return {"path": target, "source": os.path.abspath(source), "sha256": digest}
+
+
 def train(config: ml_collections.ConfigDict,
           devices: Sequence[jax.Device] | None = None) -> tuple[TrainState, dict[str, Any]]:
     """Run the whole training job on `devices` (default: all); returns (final state, summary)."""
@@ -66,6 +109,30 @@ def train(config: ml_collections.ConfigDict,
     logging.info("%d steps over phases %s; MFU peak %.3g FLOP/s (%s)", run.total_steps,
                  [p.name for p in run.curriculum.phases], peak or 0, peak_source)
     data = curriculum.CurriculumIterator(run.curriculum, run.loader_cfg)
+    tokenizer = _run_tokenizer(run_dir, run.loader_cfg.root, is_main)
+
+    # --- Checkpoints: resume the newest complete one, or start from given weights -----------
+    ccfg = config.checkpoint
+    ckpt = checkpoint.Checkpointer(run_dir, every=ccfg.every, keep=ccfg.keep or None, async_save=ccfg.async_save,
+                                   best_metric="eval/ce" if ccfg.keep_best else None)
+    start_step, resumed = 1, None
+    if ccfg.resume == "auto":
+        resumed = ckpt.restore_latest(state)
+    elif ccfg.resume != "never":
+        raise ValueError(f"checkpoint.resume={ccfg.resume!r}: expected 'auto' or 'never'")
+    elif ckpt.steps():  # starting over would overwrite them: never lose a written checkpoint
+        raise ValueError(f"{ckpt.directory} already holds checkpoints {ckpt.steps()} and checkpoint.resume=never: "
+                         "use a new run_dir, or resume=auto to continue")
+    if resumed is not None:
+        last, state, data_state, _ = resumed
+        data.set_state(data_state)
+        start_step = last + 1
+        logging.info("resumed from %s (step %d, %d tokens seen)", ckpt.directory, last, data.tokens_seen)
+    elif ccfg.init_from:  # mid-training / fine-tuning: the weights of another run or an HF import
+        _, _, params, buffers = checkpoint.load_params(ccfg.init_from, run.mesh)
+        state = state.replace(params=params, buffers=buffers)
+        logging.info("initialised the weights from %s", ccfg.init_from)
+    stop = _Preemption()
 
     # --- Phase set-up: the step compiled ahead of time for each phase's shapes and RoPE theta
     # (a batch of the wrong shape fails loudly instead of silently recompiling), and its eval set.
@@ -95,9 +162,15 @@ def train(config: ml_collections.ConfigDict,
         return out
 
     def next_batch():
+        # The iterator's state right after this batch is what a checkpoint after its step holds.
         tokens_before = data.tokens_seen
         phase, local = next(data)
-        return phase, run.device_batch(local), run.controls_at(tokens_before), data.tokens_seen
+        return phase, run.device_batch(local), run.controls_at(tokens_before), data.tokens_seen, data.get_state()
+
+    def save(step: int, phase: Phase, data_state, tokens: int, eval_metrics=None):
+        meta = {"model_config": dataclasses.asdict(run.model_for(phase)), "phase": phase.name,
+                "tokens_seen": tokens, "tokenizer": tokenizer, "config": json.loads(config.to_json_best_effort())}
+        ckpt.save(step, state, data_state, meta, metrics=eval_metrics)
 
     # --- Train loop --------------------------------------------------------------------------
     history: collections.deque = collections.deque(maxlen=_END_WINDOW)  # device metrics, fetched at the end
@@ -105,14 +178,18 @@ def train(config: ml_collections.ConfigDict,
     last_eval: dict[str, float] = {}
     phases_seen: list[str] = []
     mfu_num = 0.0
+    if start_step > run.total_steps:
+        raise ValueError(f"{ckpt.directory}: the run already finished ({start_step - 1} of {run.total_steps} steps); "
+                         "use a new run_dir, or --config.checkpoint.resume=never to start over")
     with sharding.use_mesh(run.mesh):
-        phase, batch, ctrl, tokens_after = next_batch()
-    writer = metrics.MetricWriter(run_dir, enabled=is_main, tensorboard=tcfg.tensorboard)
-    t_log, last_logged, t_train = time.perf_counter(), 0, 0.0
+        phase, batch, ctrl, tokens_after, data_after = next_batch()
+    writer = metrics.MetricWriter(run_dir, enabled=is_main, tensorboard=tcfg.tensorboard, append=resumed is not None)
+    t_log, last_logged, t_train = time.perf_counter(), start_step - 1, 0.0
+    step = step_phase = None
     # Host<->device copies in the loop must be explicit (device_get / make_array_from_process_local_data).
     with writer, sharding.use_mesh(run.mesh), jax.transfer_guard("disallow"), \
-            tqdm(total=run.total_steps, disable=not is_main, desc="train") as bar:
-        for step in range(1, run.total_steps + 1):
+            tqdm(total=run.total_steps, initial=start_step - 1, disable=not is_main, desc="train") as bar, stop:
+        for step in range(start_step, run.total_steps + 1):
             if not phases_seen or phases_seen[-1] != phase.name:
                 phases_seen.append(phase.name)
                 bar.set_description(f"train [{phase.name}]")
@@ -123,9 +200,10 @@ def train(config: ml_collections.ConfigDict,
             t_step = time.perf_counter()
             state, step_metrics = train_step(state, batch, ctrl)
             history.append(step_metrics)
-            step_phase, step_tokens, step_ctrl, step_tokens_after = phase, batch["inputs"].size, ctrl, tokens_after
+            step_phase, step_tokens, step_ctrl = phase, batch["inputs"].size, ctrl
+            step_tokens_after, step_data = tokens_after, data_after
             if step < run.total_steps:  # prepared while the step runs
-                phase, batch, ctrl, tokens_after = next_batch()
+                phase, batch, ctrl, tokens_after, data_after = next_batch()
             in_a_row = int(jax.device_get(step_metrics["nonfinite_in_a_row"]))
             if in_a_row >= tcfg.max_nonfinite:
                 raise FloatingPointError(
@@ -133,10 +211,10 @@ def train(config: ml_collections.ConfigDict,
                     f"(train.max_nonfinite={tcfg.max_nonfinite}); the updates were skipped, the last finite "
                     f"parameters are in memory. Lower optim.lr, raise optim.warmup_steps or check the data.")
             now = time.perf_counter()
-            if step > 1:  # step 1 includes the first dispatch; the MFU average leaves it out
+            if step > start_step:  # the first step includes the first dispatch; the MFU average leaves it out
                 t_train += now - t_step
                 mfu_num += run.flops_per_token(step_phase) * step_tokens
-            if step == 1 or step % tcfg.log_every == 0 or step == run.total_steps:
+            if step == start_step or step % tcfg.log_every == 0 or step == run.total_steps:
                 values = _scalars(step_metrics, "train")
                 step_s = (now - t_log) / (step - last_logged)
                 t_log, last_logged = now, step
@@ -146,7 +224,7 @@ def train(config: ml_collections.ConfigDict,
                                "train/rope_theta": float(step_phase.rope_theta)})
                 if peak and step > 1:
                     values["train/mfu"] = run.flops_per_token(step_phase) * step_tokens / step_s / peak
-                if step == 1:
+                if not first:
                     first = values
                 writer.write(step, values)
                 bar.set_postfix(loss=f"{values['train/loss']:.3f}", ce=f"{values['train/ce']:.3f}")
@@ -156,23 +234,26 @@ def train(config: ml_collections.ConfigDict,
                 writer.write(step, {**last_eval, "eval/phase_index": float(len(phases_seen) - 1)})
                 t_log = time.perf_counter()  # keep eval time out of train/step_s
             bar.update(1)
+            if ckpt.due(step) or step == run.total_steps or stop.requested:
+                save(step, step_phase, step_data, step_tokens_after,
+                     {"eval/ce": last_eval["eval/ce"]} if last_eval else None)
+            if stop.requested:
+                logging.warning("%s: saved step %d and stopping", stop.requested, step)
+                break
     data.close()
+    ckpt.close()  # waits for the last write
 
-    # --- Final checkpoint and summary --------------------------------------------------------
-    ckpt_dir = checkpoint.save_params(os.path.join(run_dir, "checkpoints"), run.total_steps, state.params,
-                                      state.buffers, run.model_for(step_phase))
-    tokenizer = os.path.join(run.loader_cfg.root, "tokenizer.json")
-    if is_main and os.path.exists(tokenizer):  # `score --checkpoint` finds the run's tokenizer here
-        shutil.copy(tokenizer, os.path.join(ckpt_dir, "tokenizer.json"))
+    # --- Summary ----------------------------------------------------------------------------
+    ckpt_dir = os.path.join(ckpt.directory, str(step))
     tail = jax.device_get(list(history))
-    steps_timed = max(run.total_steps - 1, 1)
-    step_s = t_train / steps_timed if run.total_steps > 1 else float("nan")
+    steps_run = step - start_step + 1
+    step_s = t_train / (steps_run - 1) if steps_run > 1 else float("nan")
     summary = {
         "start_loss": first["train/ce"], "end_loss": float(np.mean([m["ce"] for m in tail])),
         "start_total_loss": first["train/loss"], "end_total_loss": float(np.mean([m["loss"] for m in tail])),
         **last_eval, "compile_s": compile_s, "step_s": step_s, "phases": phases_seen,
-        "tokens_seen": step_tokens_after, "steps": run.total_steps,
-        "mfu": mfu_num / t_train / peak if peak and t_train else None,
+        "tokens_seen": step_tokens_after, "steps": step, "start_step": start_step,
+        "preempted": stop.requested, "mfu": mfu_num / t_train / peak if peak and t_train else None,
         "wall_s": time.perf_counter() - t_start, "checkpoint": ckpt_dir,
     }
     if is_main:
@@ -181,9 +262,9 @@ def train(config: ml_collections.ConfigDict,
               f"{summary['start_total_loss']:.3f} -> {summary['end_total_loss']:.3f}; "
               f"held-out CE {last_eval.get('eval/ce', float('nan')):.3f})")
         mfu = f"{summary['mfu']:.1%} MFU vs {peak_source}" if summary["mfu"] else "MFU n/a"
-        print(f"{run.total_steps} steps through phases {' -> '.join(phases_seen)} ({step_tokens_after:,} tokens); "
-              f"compile {compile_s:.1f} s, {step_s * 1e3:.0f} ms/step, {mfu}; wall {summary['wall_s']:.1f} s; "
-              f"checkpoint {ckpt_dir}")
+        print(f"steps {start_step}-{step} of {run.total_steps} through phases {' -> '.join(phases_seen)} "
+              f"({step_tokens_after:,} tokens seen); compile {compile_s:.1f} s, {step_s * 1e3:.0f} ms/step, {mfu}; "
+              f"wall {summary['wall_s']:.1f} s; checkpoint {ckpt_dir}")
     return state, summary
 
 

@@ -34,6 +34,7 @@ import numpy as np
 from glm46_jax import sharding
 from glm46_jax.config import ModelConfig, model_config_from_dict
 from glm46_jax.counting import ParamCounts, flops_per_token, matmul_params_per_token, param_counts
+from glm46_jax.data import curriculum
 from glm46_jax.optim import LAYER_STACKS, optimizer_group, path_names
 
 GiB = 1 << 30
@@ -440,9 +441,11 @@ def main(argv: list[str] | None = None) -> PlanResult:
     cfg = model_config_from_dict(config.model)
     mesh = parse_mesh(args["mesh"]) if args["mesh"] else dict(config.mesh)
     memory = parse_bytes(args["device_memory"]) if args["device_memory"] else None
-    seq_len = args["seq_len"] or int(config.train.seq_len)
+    # The batch shape of the curriculum's first step (its first phase, at the start of any batch ramp).
+    first = curriculum.from_config(config.data.phases, config.data.phase_order).phases[0]
+    seq_len = args["seq_len"] or first.seq_len
     result = plan(cfg, mesh, devices=args["devices"], micro_batch=args["micro_batch"], seq_len=seq_len,
-                  remat=args["remat"], device_memory=memory, global_batch=int(config.train.global_batch),
+                  remat=args["remat"], device_memory=memory, global_batch=first.rows_at(0),
                   router_optimizer=args["router_optimizer"])
     print(f"plan for {config.model.get('preset', 'the config')} ({args['config_path']})")
     print(result.report())

@@ -133,6 +133,7 @@ def train(config: ml_collections.ConfigDict,
         state = state.replace(params=params, buffers=buffers)
         logging.info("initialised the weights from %s", ccfg.init_from)
     stop = _Preemption()
+    save_block_s: list[float] = []
 
     # --- Phase set-up: the step compiled ahead of time for each phase's shapes and RoPE theta
     # (a batch of the wrong shape fails loudly instead of silently recompiling), and its eval set.
@@ -170,7 +171,9 @@ def train(config: ml_collections.ConfigDict,
     def save(step: int, phase: Phase, data_state, tokens: int, eval_metrics=None):
         meta = {"model_config": dataclasses.asdict(run.model_for(phase)), "phase": phase.name,
                 "tokens_seen": tokens, "tokenizer": tokenizer, "config": json.loads(config.to_json_best_effort())}
+        t0 = time.perf_counter()
         ckpt.save(step, state, data_state, meta, metrics=eval_metrics)
+        save_block_s.append(time.perf_counter() - t0)  # the async save's cost to the loop
 
     # --- Train loop --------------------------------------------------------------------------
     history: collections.deque = collections.deque(maxlen=_END_WINDOW)  # device metrics, fetched at the end
@@ -253,7 +256,7 @@ def train(config: ml_collections.ConfigDict,
         "start_total_loss": first["train/loss"], "end_total_loss": float(np.mean([m["loss"] for m in tail])),
         **last_eval, "compile_s": compile_s, "step_s": step_s, "phases": phases_seen,
         "tokens_seen": step_tokens_after, "steps": step, "start_step": start_step,
-        "preempted": stop.requested, "mfu": mfu_num / t_train / peak if peak and t_train else None,
+        "preempted": stop.requested, "save_block_s": save_block_s, "mfu": mfu_num / t_train / peak if peak and t_train else None,
         "wall_s": time.perf_counter() - t_start, "checkpoint": ckpt_dir,
     }
     if is_main:
@@ -264,7 +267,8 @@ def train(config: ml_collections.ConfigDict,
         mfu = f"{summary['mfu']:.1%} MFU vs {peak_source}" if summary["mfu"] else "MFU n/a"
         print(f"steps {start_step}-{step} of {run.total_steps} through phases {' -> '.join(phases_seen)} "
               f"({step_tokens_after:,} tokens seen); compile {compile_s:.1f} s, {step_s * 1e3:.0f} ms/step, {mfu}; "
-              f"wall {summary['wall_s']:.1f} s; checkpoint {ckpt_dir}")
+              f"wall {summary['wall_s']:.1f} s; checkpoint {ckpt_dir} ({len(save_block_s)} saves, the loop blocked "
+              f"{1e3 * float(np.mean(save_block_s or [0])):.0f} ms per save on average)")
     return state, summary
 
 

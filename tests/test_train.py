@@ -107,7 +107,7 @@ def test_checkpoint_round_trip(run):
 
 
 def test_score_checkpoint_text_uses_the_corpus_tokenizer(run, capsys):
-    """`score --checkpoint RUN --text ...` finds the tokenizer train copied next to the weights, and its
+    """`score --checkpoint RUN --text ...` finds the tokenizer train copied into the run dir, and its
     total equals a log-softmax of the same checkpoint's logits computed here in float64."""
     from tokenizers import Tokenizer
 
@@ -117,7 +117,7 @@ def test_score_checkpoint_text_uses_the_corpus_tokenizer(run, capsys):
     config, _, summary = run
     text = "def add(x, y):\n    return x + y\n"
     total = score.main(["--checkpoint", config.run_dir, "--text", text])
-    ids = Tokenizer.from_file(os.path.join(summary["checkpoint"], "tokenizer.json")).encode(
+    ids = Tokenizer.from_file(checkpoint.tokenizer_path(summary["checkpoint"])).encode(
         text, add_special_tokens=False).ids
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
     cfg, graphdef, params, buffers = checkpoint.load_params(config.run_dir, mesh)

@@ -1,0 +1,242 @@
+"""Checkpoints under failure: a real SIGKILL (at a random step, and while an async save is being
+written) then resume gives bit-identical losses and weights to an uninterrupted run; SIGTERM saves
+and exits 0; a damaged newest checkpoint falls back to the previous one; a checkpoint restores onto
+other meshes and training continues."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from glm46_jax import checkpoint, sharding
+
+ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
+STEPS, EVERY = 12, 3
+
+
+def _flags(run_dir: str, corpus: str, steps: int = STEPS) -> list[str]:
+    # 8 steps of 8 x 64 rows, then 4 steps of 8 x 128 best-fit at RoPE 1e6: resume crosses a phase switch.
+    return [f"--config.run_dir={run_dir}", f"--config.data.root={corpus}", "--config.mesh.data=1",
+            "--config.data.phases.general.tokens=4096", "--config.data.phases.general.seq_len=64",
+            "--config.data.phases.general.global_batch=8", "--config.data.phases.code_long.tokens=4096",
+            "--config.data.phases.code_long.seq_len=128", "--config.data.phases.code_long.global_batch=8",
+            f"--config.train.steps={steps}", "--config.train.log_every=1", "--config.train.eval_every=100",
+            "--config.train.eval_batches=1", f"--config.checkpoint.every={EVERY}", f"--config.optim.decay_steps={STEPS}",
+            "--config.optim.warmup_steps=2"]
+
+
+def _config(run_dir: str, corpus: str, steps: int = STEPS):
+    """The same run as `_flags`, as a ConfigDict (for in-process `build` / `train`)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pretrain_config", os.path.join(ROOT, "configs", "pretrain.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("tiny")
+    for flag in _flags(run_dir, corpus, steps):
+        path, value = flag.removeprefix("--config.").split("=", 1)
+        *parents, leaf = path.split(".")
+        node = config
+        for name in parents:
+            node = node[name]
+        node[leaf] = type(node[leaf])(value) if not isinstance(node[leaf], dict) else value
+    config.mesh = {"data": 1}
+    return config
+
+
+def _train_process(run_dir: str, corpus: str, steps: int = STEPS) -> subprocess.Popen:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+           # the test session's compile cache: later runs of the same shapes skip XLA compilation
+           "JAX_COMPILATION_CACHE_DIR": os.path.expanduser("~/.cache/glm46_jax/xla"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "glm46_jax.train", "--config=configs/pretrain.py:tiny", *_flags(run_dir, corpus, steps)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 600) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def _losses(run_dir: str) -> dict[int, float]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["train/loss"] for r in map(json.loads, f) if "train/loss" in r}
+
+
+def _weights(run_dir: str, step: int) -> dict[str, np.ndarray]:
+    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+    _, _, params, buffers = checkpoint.load_params(os.path.join(run_dir, "checkpoints", str(step)), mesh)
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path((params, buffers))}
+
+
+def _steps(run_dir: str) -> list[int]:
+    """Committed checkpoint steps (Orbax renames a step's directory into place when it is complete)."""
+    ckpts = os.path.join(run_dir, "checkpoints")
+    return sorted(int(d) for d in os.listdir(ckpts) if d.isdigit()) if os.path.isdir(ckpts) else []
+
+
+def _wait_for(predicate, proc, what, timeout=300):
+    t0 = time.time()
+    while not predicate():
+        assert proc.poll() is None, f"training exited before {what}: {proc.communicate()[0][-3000:]}"
+        assert time.time() - t0 < timeout, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, sample_corpus):
+    run_dir = str(tmp_path_factory.mktemp("reference"))
+    _finish(_train_process(run_dir, sample_corpus))
+    return run_dir
+
+
+def _assert_same_as_reference(run_dir: str, reference: str):
+    want, got = _losses(reference), _losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))  # every step logged once: nothing redone twice in the log
+    assert got == want  # bit-identical losses, including the steps after the resume
+    ref_w, w = _weights(reference, STEPS), _weights(run_dir, STEPS)
+    for path, x in ref_w.items():
+        np.testing.assert_array_equal(w[path], x, err_msg=path)
+
+
+@pytest.mark.slow
+def test_sigkill_at_a_random_step_then_resume_is_exact(tmp_path, sample_corpus, reference):
+    run_dir = str(tmp_path / "killed")
+    kill_at = random.Random(os.getpid()).randint(EVERY + 1, STEPS - 2)
+    proc = _train_process(run_dir, sample_corpus)
+    first_ckpt = os.path.join(run_dir, "checkpoints", str(EVERY), "meta", "metadata")
+    _wait_for(lambda: os.path.exists(first_ckpt) and max(_losses(run_dir), default=0) >= kill_at, proc,
+              f"step {kill_at} and the step-{EVERY} checkpoint")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    done = _steps(run_dir)
+    assert done and max(done) < STEPS, done  # killed mid-run, after at least one checkpoint
+    out = _finish(_train_process(run_dir, sample_corpus))
+    assert f"steps {max(done) + 1}-{STEPS}" in out
+    # The killed run logged steps past its last checkpoint; the resumed run logs them again. Keep the
+    # resumed values (the last record per step) and compare those.
+    _assert_same_as_reference(run_dir, reference)
+
+
+@pytest.mark.slow
+def test_sigkill_during_an_async_save_then_resume_is_exact(tmp_path, sample_corpus, reference):
+    run_dir = str(tmp_path / "killed_in_save")
+    ckpts = os.path.join(run_dir, "checkpoints")
+    proc = _train_process(run_dir, sample_corpus)
+
+    def save_in_flight():  # Orbax writes a step under a temporary name, renamed when complete
+        return os.path.isdir(ckpts) and any("tmp" in d for d in os.listdir(ckpts))
+
+    _wait_for(save_in_flight, proc, "an in-flight save")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    left = sorted(os.listdir(ckpts))
+    assert any("tmp" in d for d in left), left  # the kill did land mid-write
+    _finish(_train_process(run_dir, sample_corpus))
+    _assert_same_as_reference(run_dir, reference)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path, sample_corpus, reference):
+    run_dir = str(tmp_path / "preempted")
+    proc = _train_process(run_dir, sample_corpus)
+    _wait_for(lambda: os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and
+              max(_losses(run_dir), default=0) >= EVERY + 1, proc, f"step {EVERY + 1}")
+    proc.send_signal(signal.SIGTERM)
+    out = _finish(proc)  # exit code 0
+    assert "SIGTERM: saved step" in out
+    stopped = max(_steps(run_dir))
+    assert EVERY + 1 <= stopped < STEPS  # saved at the step it stopped on, not only at the last regular save
+    _finish(_train_process(run_dir, sample_corpus))
+    _assert_same_as_reference(run_dir, reference)
+
+
+def _damage(step_dir: str, kind: str):
+    model = os.path.join(step_dir, "model")
+    files = sorted(os.path.join(r, f) for r, _, fs in os.walk(model) for f in fs if os.path.getsize(os.path.join(r, f)))
+    if kind == "missing_meta":
+        os.remove(os.path.join(step_dir, "meta", "metadata"))
+    elif kind == "truncated":
+        biggest = max(files, key=os.path.getsize)
+        with open(biggest, "r+b") as f:
+            f.truncate(os.path.getsize(biggest) // 2)
+    elif kind == "missing_file":
+        for f in files:
+            if os.sep + "d" + os.sep in f:  # the array data files
+                os.remove(f)
+    elif kind == "garbage_json":
+        with open(os.path.join(step_dir, "data", "metadata"), "w") as f:
+            f.write("{not json")
+
+
+@pytest.mark.slow
+# Orbax's restore of a damaged step leaves its read coroutines unawaited when it fails: expected here.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("kind", ["missing_meta", "truncated", "missing_file", "garbage_json"])
+def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, reference, kind, caplog):
+    """Damage the newest of the reference run's checkpoints; restore_latest returns the one before."""
+    from glm46_jax.build import build
+
+    run_dir = str(tmp_path / kind)
+    shutil.copytree(reference, run_dir)
+    steps = _steps(run_dir)
+    _damage(os.path.join(run_dir, "checkpoints", str(steps[-1])), kind)
+    run = build(_config(run_dir, "unused"), jax.devices()[:1])
+    with sharding.use_mesh(run.mesh):
+        restorer = checkpoint.Checkpointer(run_dir, every=EVERY)
+        restored = restorer.restore_latest(run.state)
+        restorer.close()
+    assert restored is not None and restored[0] == steps[-2], (kind, steps, restored and restored[0])
+    if kind != "missing_meta":  # without meta/ the step is not listed at all
+        assert str(steps[-1]) in caplog.text and "damaged or incomplete" in caplog.text
+
+
+@pytest.mark.slow
+def test_restore_onto_other_meshes_and_continue(tmp_path, sample_corpus):
+    """A train state saved on (data 2, tensor 2, expert 2) restores on (1, 4, 2) and (8, 1, 1) with the
+    same values in the new layouts, and training goes on from it on (1, 4, 2)."""
+    from glm46_jax.build import build
+    from glm46_jax.train import train
+
+    run_dir = str(tmp_path / "meshes")
+    config = _config(run_dir, sample_corpus, steps=EVERY + 2)
+    config.mesh = {"data": 2, "tensor": 2, "expert": 2}
+    run = build(config, jax.devices()[:8])
+    with sharding.use_mesh(run.mesh):  # a non-trivial state: biases and the step counter moved
+        state = run.state.replace(step=run.state.step + EVERY,
+                                  buffers=jax.tree.map(lambda b: b + 0.01 * jax.numpy.arange(b.shape[-1]),
+                                                       run.state.buffers))
+        saver = checkpoint.Checkpointer(run_dir, every=EVERY)
+        data = {"phase_index": 0, "phase_name": "general", "tokens_seen": 0, "step": 0, "data": None}
+        saver.save(EVERY, state, data, {"model_config": {}, "tokens_seen": 0})
+        saver.close()
+    saved = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(
+        (state.params, state.buffers, state.opt_state))}
+    for mesh in ({"data": 1, "tensor": 4, "expert": 2}, {"data": 8}):
+        config.mesh = mesh
+        run = build(config, jax.devices()[:8])
+        with sharding.use_mesh(run.mesh):
+            restorer = checkpoint.Checkpointer(run_dir, every=EVERY)
+            step, restored, _, _ = restorer.restore_latest(run.state)
+            restorer.close()
+        assert step == EVERY and int(restored.step) == EVERY
+        got = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(
+            (restored.params, restored.buffers, restored.opt_state))}
+        assert got.keys() == saved.keys()
+        for path, want in saved.items():
+            assert got[path].sharding.mesh.shape == run.mesh.shape, path  # laid out on the new mesh
+            np.testing.assert_array_equal(np.asarray(got[path]), want, err_msg=path)
+    config.mesh = {"data": 1, "tensor": 4, "expert": 2}
+    _, summary = train(config, jax.devices()[:8])  # resume=auto: steps 4-5 on the new mesh
+    assert summary["start_step"] == EVERY + 1 and summary["steps"] == EVERY + 2
+    assert np.isfinite(summary["end_loss"])

@@ -76,10 +76,11 @@ class Run:
                 out[k] = jax.make_array_from_process_local_data(layout, v)
         return out
 
-    def controls_at(self, tokens_seen: int):
+    def controls_at(self, tokens_seen: int, max_loss: float = float("inf")):
         """The token-scheduled scalars for a step starting after `tokens_seen` tokens."""
         with jax.transfer_guard_host_to_device("allow"):
-            return controls(mtp_weight_at(self.loss_cfg, tokens_seen), rate_at(self.balance_cfg, tokens_seen))
+            return controls(mtp_weight_at(self.loss_cfg, tokens_seen), rate_at(self.balance_cfg, tokens_seen),
+                            max_loss)
 
 
 @functools.lru_cache(maxsize=8)

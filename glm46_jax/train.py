@@ -77,6 +77,27 @@ class _Preemption:
             signal.signal(s, handler)
 
 
+class _SpikeGuard:
+    """The loss above which a step counts as a spike: `factor` x the running mean of applied steps'
+    losses (an EMA), once `warmup` steps have been seen; infinity when `factor` is 0 (off). The
+    threshold for step s + 1 is chosen before step s's loss is read (the loop stays asynchronous),
+    so it is one step behind."""
+
+    def __init__(self, factor: float, warmup: int = 10, decay: float = 0.9):
+        self.factor, self.warmup, self.decay = factor, warmup, decay
+        self.mean, self.seen = 0.0, 0
+
+    @property
+    def max_loss(self) -> float:
+        return self.factor * self.mean if self.factor > 0 and self.seen >= self.warmup else float("inf")
+
+    def observe(self, loss: float, skipped: bool) -> None:
+        if skipped or not np.isfinite(loss):
+            return
+        self.mean = loss if self.seen == 0 else self.decay * self.mean + (1 - self.decay) * loss
+        self.seen += 1
+
+
 def _run_tokenizer(run_dir: str, corpus_root: str, is_main: bool) -> dict[str, str] | None:
     """Copy the corpus's tokenizer.json into the run dir (scoring and export find it there)."""
     source = os.path.join(corpus_root, "tokenizer.json")
@@ -133,6 +154,10 @@ def train(config: ml_collections.ConfigDict,
         state = state.replace(params=params, buffers=buffers)
         logging.info("initialised the weights from %s", ccfg.init_from)
     stop = _Preemption()
+    if tcfg.bad_steps not in ("skip", "rollback"):
+        raise ValueError(f"train.bad_steps={tcfg.bad_steps!r}: expected 'skip' or 'rollback'")
+    spikes = _SpikeGuard(tcfg.spike_factor, tcfg.spike_warmup)
+    rollbacks: list[tuple[int, int]] = []
     save_block_s: list[float] = []
 
     # --- Phase set-up: the step compiled ahead of time for each phase's shapes and RoPE theta
@@ -166,7 +191,8 @@ def train(config: ml_collections.ConfigDict,
         # The iterator's state right after this batch is what a checkpoint after its step holds.
         tokens_before = data.tokens_seen
         phase, local = next(data)
-        return phase, run.device_batch(local), run.controls_at(tokens_before), data.tokens_seen, data.get_state()
+        return (phase, run.device_batch(local), run.controls_at(tokens_before, spikes.max_loss), data.tokens_seen,
+                data.get_state())
 
     def save(step: int, phase: Phase, data_state, tokens: int, eval_metrics=None):
         meta = {"model_config": dataclasses.asdict(run.model_for(phase)), "phase": phase.name,
@@ -207,10 +233,24 @@ def train(config: ml_collections.ConfigDict,
             step_tokens_after, step_data = tokens_after, data_after
             if step < run.total_steps:  # prepared while the step runs
                 phase, batch, ctrl, tokens_after, data_after = next_batch()
-            in_a_row = int(jax.device_get(step_metrics["nonfinite_in_a_row"]))
-            if in_a_row >= tcfg.max_nonfinite:
+            loss, in_a_row = jax.device_get((step_metrics["loss"], step_metrics["nonfinite_in_a_row"]))
+            loss, in_a_row = float(loss), int(in_a_row)
+            spikes.observe(loss, skipped=in_a_row > 0)
+            if tcfg.bad_steps == "rollback" and in_a_row >= tcfg.rollback_after:
+                # Back to the last checkpoint's weights and optimizer, but not its data: the batches
+                # that went bad are skipped.
+                ckpt.wait()
+                restored = ckpt.restore_latest(state)
+                if restored is None:
+                    raise FloatingPointError(f"step {step}: {int(in_a_row)} bad steps in a row and no checkpoint "
+                                             f"in {ckpt.directory} to roll back to")
+                state = restored[1]
+                rollbacks.append((step, restored[0]))
+                logging.warning("step %d: %d bad steps in a row; rolled back to the weights of step %d, skipping "
+                                "their data", step, int(in_a_row), restored[0])
+            elif in_a_row >= tcfg.max_nonfinite:
                 raise FloatingPointError(
-                    f"step {step}: loss or gradient not finite for {in_a_row} steps in a row "
+                    f"step {step}: loss or gradient not finite (or a loss spike) for {in_a_row} steps in a row "
                     f"(train.max_nonfinite={tcfg.max_nonfinite}); the updates were skipped, the last finite "
                     f"parameters are in memory. Lower optim.lr, raise optim.warmup_steps or check the data.")
             now = time.perf_counter()
@@ -256,7 +296,7 @@ def train(config: ml_collections.ConfigDict,
         "start_total_loss": first["train/loss"], "end_total_loss": float(np.mean([m["loss"] for m in tail])),
         **last_eval, "compile_s": compile_s, "step_s": step_s, "phases": phases_seen,
         "tokens_seen": step_tokens_after, "steps": step, "start_step": start_step,
-        "preempted": stop.requested, "save_block_s": save_block_s, "mfu": mfu_num / t_train / peak if peak and t_train else None,
+        "preempted": stop.requested, "save_block_s": save_block_s, "rollbacks": rollbacks, "mfu": mfu_num / t_train / peak if peak and t_train else None,
         "wall_s": time.perf_counter() - t_start, "checkpoint": ckpt_dir,
     }
     if is_main:

@@ -7,8 +7,9 @@
 One step: gradients of `loss_fn` summed over `accum_steps` micro-batches (`lax.scan`), the optax
 update (skipped when the gradient is not finite: `optax.apply_if_finite` inside
 `optim.build_optimizer`), then the loss-free balancing bias step from the global batch's expert
-loads. `controls` carries the token-scheduled scalars (`mtp_weight`, `bias_rate`): the host
-counts tokens exactly in Python ints, which float32/int32 on device could not at 15T tokens.
+loads. `controls` carries the token-scheduled scalars (`mtp_weight`, `bias_rate`) and the loss-spike
+threshold (`max_loss`), chosen by the host, which counts tokens exactly in Python ints (float32 or
+int32 on the device could not at 15T tokens).
 
 Everything the step touches is a pytree (nnx.State, optax state); the NNX module only exists
 inside `loss_fn`, rebuilt from the graphdef on every trace.
@@ -48,8 +49,10 @@ class StepConfig:
     accum_steps: int = 1  # micro-batches per step; the batch then has a leading [accum_steps] axis
 
 
-def controls(mtp_weight: float, bias_rate: float) -> Controls:
-    return {"mtp_weight": jnp.float32(mtp_weight), "bias_rate": jnp.float32(bias_rate)}
+def controls(mtp_weight: float, bias_rate: float, max_loss: float = float("inf")) -> Controls:
+    """`max_loss`: a step whose loss exceeds it is a loss spike and is skipped like a non-finite one."""
+    return {"mtp_weight": jnp.float32(mtp_weight), "bias_rate": jnp.float32(bias_rate),
+            "max_loss": jnp.float32(max_loss)}
 
 
 def init_state(params: nnx.State, buffers: nnx.State, tx: optax.GradientTransformation) -> TrainState:
@@ -107,6 +110,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cf
 
     def step(state: TrainState, batch: Batch, ctrl: Controls) -> tuple[TrainState, dict[str, Any]]:
         grads, metrics = grads_and_metrics(state.params, state.buffers, batch, ctrl["mtp_weight"])
+        # A loss spike poisons the gradient, so `apply_if_finite` skips and counts it like a NaN.
+        spike = metrics["loss"] > ctrl.get("max_loss", jnp.inf)
+        grad_norm = optax.tree.norm(grads)
+        grads = jax.tree.map(lambda g: jnp.where(spike, jnp.nan, g), grads)
         before = _finite_state(state.opt_state)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -121,7 +128,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cf
         out = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
         out.update(balancing.describe_loads(metrics))
         out.update({f"bias_{k}": v for k, v in balancing.bias_stats(buffers).items()})
-        out.update(ppl=jnp.exp(metrics["ce"]), grad_norm=optax.tree.norm(grads),
+        out.update(ppl=jnp.exp(metrics["ce"]), grad_norm=grad_norm, spike=spike.astype(jnp.int32),
                    update_rms=optax.tree.norm(updates) / jnp.sqrt(n_params),
                    mtp_weight=ctrl["mtp_weight"], bias_rate=rate)
         if after is not None:

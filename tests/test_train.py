@@ -147,5 +147,33 @@ def test_run_stops_after_too_many_nonfinite_steps(tmp_path, sample_corpus):
     config.data.phases.general.update(tokens=20 * 512, seq_len=64, global_batch=8)
     config.train.update(steps=20, log_every=10, eval_every=20, eval_batches=1, max_nonfinite=3)
     config.optim.update(lr=1e30, warmup_steps=0)
-    with pytest.raises(FloatingPointError, match=r"step \d+: loss or gradient not finite for 3 steps in a row"):
+    with pytest.raises(FloatingPointError, match=r"step \d+: loss or gradient not finite \(or a loss spike\) for 3 steps in a row"):
         train(config, devices=jax.devices()[:1])
+
+
+@pytest.mark.slow
+def test_loss_spikes_are_skipped_then_rolled_back(tmp_path, sample_corpus):
+    """spike_factor 0.5 after 7 warm-up steps: from step 9 on (the threshold lags one step) every loss
+    is a 'spike' (above half its running mean) and is skipped; after 2 in a row the run rolls back to
+    the last checkpoint's weights and goes on with the next data. Nothing after step 8 is applied, so
+    the final weights are those of the step-9 checkpoint (step 9 itself was skipped)."""
+    config = load_config("tiny")
+    config.run_dir = str(tmp_path)
+    config.mesh = {"data": 1}
+    config.data.root = sample_corpus
+    config.data.phases.general.update(tokens=12 * 512, seq_len=64, global_batch=8)
+    config.train.update(steps=12, log_every=1, eval_every=100, eval_batches=1, bad_steps="rollback",
+                        rollback_after=2, spike_factor=0.5, spike_warmup=7)
+    config.checkpoint.every = 3
+    _, summary = train(config, devices=jax.devices()[:1])
+    assert summary["rollbacks"] and all(to < at for at, to in summary["rollbacks"]), summary["rollbacks"]
+    assert summary["rollbacks"][0] == (10, 9)
+    with open(os.path.join(config.run_dir, "metrics.jsonl")) as f:
+        by_step = {r["step"]: r for r in map(json.loads, f) if "train/loss" in r}
+    assert [by_step[s]["train/spike"] for s in range(1, 13)] == [0] * 8 + [1] * 4
+    assert all(by_step[s]["train/skipped"] == 1 for s in range(9, 13))
+    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+    final = checkpoint.load_params(os.path.join(config.run_dir, "checkpoints", "12"), mesh)[2]
+    step9 = checkpoint.load_params(os.path.join(config.run_dir, "checkpoints", "9"), mesh)[2]
+    for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(step9)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

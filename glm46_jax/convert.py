@@ -1,0 +1,256 @@
+"""Convert training checkpoints to Hugging Face directories and back.
+
+    python -m glm46_jax.convert ckpt-to-hf --run-dir runs/tiny --out export/tiny [--step 200] [--dtype float32]
+    python -m glm46_jax.convert hf-to-ckpt --hf-dir path/to/GLM-4.6 --out runs/glm46-init [--step 0]
+
+ckpt-to-hf writes a directory that transformers, vLLM and SGLang load: config.json, safetensors shards (+ index)
+in the released GLM layout (per-expert tensors, fp32 correction biases, the MTP layer as layer
+`num_hidden_layers`), and, when the run has one, its tokenizer: tokenizer.json, tokenizer_config.json and
+generation_config.json. hf-to-ckpt writes `<out>/checkpoints/<step>/` (+ tokenizer.json), from which
+`--config.checkpoint.init_from=<out>` starts a run.
+
+Either writes into a temporary sibling of --out and renames it at the end, so an interrupted conversion
+leaves nothing half-written. Only safetensors, JSON and Orbax files are read: nothing is unpickled.
+The whole model passes through one host's memory (a one-device CPU mesh) in its stored dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from glm46_jax import checkpoint, hf, sharding
+from glm46_jax.config import ModelConfig
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m glm46_jax.convert", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("ckpt-to-hf", help="training checkpoint -> Hugging Face directory")
+    e.add_argument("--run-dir", required=True, help="a training run dir (or its checkpoints/ dir, or one step dir)")
+    e.add_argument("--step", type=int, help="the step to export (default: the latest)")
+    e.add_argument("--out", required=True, help="the Hugging Face directory to write")
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="storage dtype of the weights (default bfloat16, as released; float32 is exact)")
+    e.add_argument("--tokenizer", help="a tokenizer.json (default: the run's, see checkpoint.tokenizer_path)")
+    e.add_argument("--max-shard-size", default="5GiB", help="per safetensors file, e.g. 5GiB, 500MB (default 5GiB)")
+    e.add_argument("--no-mtp-copies", action="store_true",
+                   help="omit the MTP layer's copies of the embedding and head (vLLM's MTP drafter reads them)")
+    e.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    i = sub.add_parser("hf-to-ckpt", help="Hugging Face directory -> checkpoint a run can start from")
+    i.add_argument("--hf-dir", required=True, help="config.json + safetensors (released or transformers-5 layout)")
+    i.add_argument("--out", required=True, help="the run dir to write (<out>/checkpoints/<step>/)")
+    i.add_argument("--step", type=int, default=0, help="the step number to save under (default 0)")
+    i.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    return p
+
+
+def parse_size(text: str) -> int:
+    """'5GiB' / '500MB' / '1048576' -> bytes (GB = 1e9 as on the Hub, GiB = 2**30)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"--max-shard-size={text!r}: expected a number with an optional unit {sorted(_UNITS)[1:]}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _host_mesh() -> jax.sharding.Mesh:
+    # Conversion only moves bytes between files: keep the weights in host memory, not on an accelerator.
+    try:
+        devices = jax.devices("cpu")[:1]
+    except RuntimeError:  # JAX_PLATFORMS excludes cpu
+        devices = jax.devices()[:1]
+    return sharding.make_mesh({"data": 1}, devices)
+
+
+def _is_step_dir(path: str) -> bool:
+    try:
+        return checkpoint.latest_checkpoint(path) == os.path.abspath(path)
+    except FileNotFoundError:
+        return False
+
+
+def resolve_step(run_dir: str, step: int | None) -> str:
+    """The step directory to export: `step` of the run, or its latest complete one."""
+    run_dir = os.path.abspath(run_dir)
+    if not os.path.isdir(run_dir):
+        raise FileNotFoundError(f"{run_dir}: no such directory; pass a training run dir with --run-dir")
+    if step is None:
+        return checkpoint.latest_checkpoint(run_dir)  # names the path when there is no checkpoint
+    ckpts = os.path.join(run_dir, checkpoint.CHECKPOINTS)
+    ckpts = ckpts if os.path.isdir(ckpts) else run_dir
+    step_dir = os.path.join(ckpts, str(step))
+    if not _is_step_dir(step_dir):
+        available = sorted(int(d) for d in os.listdir(ckpts) if d.isdigit() and _is_step_dir(os.path.join(ckpts, d)))
+        raise FileNotFoundError(f"{step_dir}: no complete checkpoint for --step {step}; available steps in "
+                                f"{ckpts}: {available or 'none'}")
+    return step_dir
+
+
+def tokenizer_files(tokenizer_json: str, cfg: ModelConfig) -> dict[str, dict[str, Any]]:
+    """tokenizer_config.json and generation_config.json for `tokenizer_json`, checked against the model.
+
+    The eos / pad strings are the tokenizer's own tokens at the model config's ids, so the tokenizer
+    and the weights cannot disagree about which token ends a sequence.
+    """
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(tokenizer_json)
+    except Exception as e:  # any parse failure means: not a tokenizer.json
+        raise ValueError(f"{tokenizer_json}: not a readable tokenizer.json ({e})") from e
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size > cfg.vocab_size:
+        raise ValueError(f"{tokenizer_json}: {size} tokens but the model embeds only vocab_size={cfg.vocab_size}; "
+                         "this is not the run's tokenizer (pass the right one with --tokenizer)")
+    special = {i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special}
+
+    def token(i: int, field: str) -> str:
+        if i in special:
+            return special[i]
+        text = tok.id_to_token(i)
+        if text is None:
+            raise ValueError(f"{tokenizer_json}: the model's {field} {i} is not a token of this tokenizer "
+                             "(pass the run's tokenizer with --tokenizer)")
+        warnings.warn(f"{tokenizer_json}: {field} {i} ({text!r}) is not a special token; decoding will not drop it",
+                      stacklevel=2)
+        return text
+
+    eos = [token(i, "eos_token_id") for i in cfg.eos_token_id]
+    pad = None if cfg.pad_token_id is None else token(cfg.pad_token_id, "pad_token_id")
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_position_embeddings,
+        "eos_token": eos[0] if eos else None, "pad_token": pad, "bos_token": None, "unk_token": None,
+        "clean_up_tokenization_spaces": False, "model_input_names": ["input_ids", "attention_mask"]}
+    generation_config: dict[str, Any] = {"_from_model_config": False}
+    if eos:  # all of them: GLM stops on <|endoftext|>, <|user|> and <|observation|>
+        generation_config["eos_token_id"] = cfg.eos_token_id[0] if len(eos) == 1 else list(cfg.eos_token_id)
+    if pad is not None:
+        generation_config["pad_token_id"] = cfg.pad_token_id
+    return {"tokenizer_config.json": tokenizer_config, "generation_config.json": generation_config}
+
+
+def _inside(path: str, parent: str) -> bool:
+    path, parent = os.path.realpath(path), os.path.realpath(parent)
+    return os.path.commonpath([path, parent]) == parent
+
+
+def _check_out(out: str, force: bool, source: str) -> None:
+    # Called before the (slow) load too, so a bad --out fails at once.
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise FileExistsError(f"{out}: exists and is not a directory; choose another --out")
+    if os.path.isdir(out) and os.listdir(out) and not force:
+        raise FileExistsError(f"{out}: not empty; pass --force to replace it, or choose another --out")
+    if _inside(source, out):  # --force would delete what we are converting
+        raise ValueError(f"--out {out} contains the source {source}; choose another --out")
+
+
+@contextlib.contextmanager
+def _staged(out: str, force: bool, source: str) -> Iterator[str]:
+    """A temporary sibling of `out` to write into; renamed to `out` only if the block completes."""
+    out = os.path.abspath(out)
+    _check_out(out, force, source)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; servers may run as another user
+    try:
+        yield tmp
+        for root, _, files in os.walk(tmp):  # safetensors writes 0600 files; give them the umask's mode
+            for name in files:
+                os.chmod(os.path.join(root, name), 0o666 & ~umask)
+        old = None
+        if os.path.isdir(out):
+            if os.listdir(out):
+                old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
+                os.replace(out, old)
+            else:
+                os.rmdir(out)
+        os.replace(tmp, out)
+        if old:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def ckpt_to_hf(run_dir: str, out: str, *, step: int | None = None, dtype: str = "bfloat16",
+               tokenizer: str | None = None, max_shard_bytes: int = 5 * 2**30, mtp_copies: bool = True,
+               force: bool = False) -> str:
+    step_dir = resolve_step(run_dir, step)
+    _check_out(os.path.abspath(out), force, step_dir)
+    if tokenizer and os.path.isdir(tokenizer):
+        tokenizer = os.path.join(tokenizer, "tokenizer.json")
+    if tokenizer and not os.path.isfile(tokenizer):
+        raise FileNotFoundError(f"{tokenizer}: no such tokenizer.json (--tokenizer)")
+    tokenizer = tokenizer or checkpoint.tokenizer_path(step_dir)
+    cfg, _, params, buffers = checkpoint.load_params(step_dir, _host_mesh())
+    extra = tokenizer_files(tokenizer, cfg) if tokenizer else {}  # checked before anything is written
+    if not tokenizer:
+        warnings.warn(f"{step_dir}: no tokenizer.json with the run (or --tokenizer); writing the weights and "
+                      "config.json only, which servers cannot load without a tokenizer", stacklevel=2)
+    with _staged(out, force, step_dir) as tmp:
+        hf.save_hf(tmp, cfg, params, buffers, dtype=dtype, max_shard_bytes=max_shard_bytes, mtp_copies=mtp_copies)
+        if tokenizer:
+            shutil.copyfile(tokenizer, os.path.join(tmp, "tokenizer.json"))
+        for name, content in extra.items():
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump(content, f, indent=2)
+    print(f"exported {step_dir} -> {os.path.abspath(out)} ({dtype}"
+          f"{', tokenizer ' + tokenizer if tokenizer else ', no tokenizer'})")
+    return os.path.abspath(out)
+
+
+def hf_to_ckpt(hf_dir: str, out: str, *, step: int = 0, force: bool = False) -> str:
+    hf_dir = os.path.abspath(hf_dir)
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        raise FileNotFoundError(f"{hf_dir}: not a Hugging Face model directory (no config.json); pass the "
+                                "directory holding config.json and the *.safetensors files")
+    _check_out(os.path.abspath(out), force, hf_dir)
+    cfg, _, params, buffers = hf.load_hf(hf_dir, _host_mesh())
+    source_tok = os.path.join(hf_dir, "tokenizer.json")
+    target_tok = os.path.join(os.path.abspath(out), "tokenizer.json")
+    meta: dict[str, Any] = {"source": {"hf_dir": hf_dir}, "tokenizer": None}
+    if os.path.isfile(source_tok):
+        with open(source_tok, "rb") as f:
+            meta["tokenizer"] = {"path": target_tok, "source": source_tok, "sha256": hashlib.sha256(f.read()).hexdigest()}
+    with _staged(out, force, hf_dir) as tmp:
+        checkpoint.save_params(os.path.join(tmp, checkpoint.CHECKPOINTS), step, params, buffers, cfg, meta=meta)
+        if meta["tokenizer"]:
+            shutil.copyfile(source_tok, os.path.join(tmp, "tokenizer.json"))
+    step_dir = os.path.join(os.path.abspath(out), checkpoint.CHECKPOINTS, str(step))
+    print(f"imported {hf_dir} -> {step_dir}" + ("" if meta["tokenizer"] else " (no tokenizer.json in the HF dir)"))
+    return step_dir
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Returns the directory written."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "ckpt-to-hf":
+        try:
+            shard = parse_size(args.max_shard_size)
+        except ValueError as e:
+            parser.error(str(e))
+        return ckpt_to_hf(args.run_dir, args.out, step=args.step, dtype=args.dtype, tokenizer=args.tokenizer,
+                          max_shard_bytes=shard, mtp_copies=not args.no_mtp_copies, force=args.force)
+    return hf_to_ckpt(args.hf_dir, args.out, step=args.step, force=args.force)
+
+
+if __name__ == "__main__":
+    main()

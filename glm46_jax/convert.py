@@ -63,7 +63,7 @@ def parse_size(text: str) -> int:
     """'5GiB' / '500MB' / '1048576' -> bytes (GB = 1e9 as on the Hub, GiB = 2**30)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"--max-shard-size={text!r}: expected a number with an optional unit {sorted(_UNITS)[1:]}")
+        raise ValueError(f"--max-shard-size={text!r}: expected a byte count or a size like 5GiB, 500MB, 64KiB")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
@@ -133,8 +133,8 @@ def tokenizer_files(tokenizer_json: str, cfg: ModelConfig) -> dict[str, dict[str
     pad = None if cfg.pad_token_id is None else token(cfg.pad_token_id, "pad_token_id")
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_position_embeddings,
-        "eos_token": eos[0] if eos else None, "pad_token": pad, "bos_token": None, "unk_token": None,
-        "clean_up_tokenization_spaces": False, "model_input_names": ["input_ids", "attention_mask"]}
+        "eos_token": eos[0] if eos else None, "pad_token": pad, "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"]}
     generation_config: dict[str, Any] = {"_from_model_config": False}
     if eos:  # all of them: GLM stops on <|endoftext|>, <|user|> and <|observation|>
         generation_config["eos_token_id"] = cfg.eos_token_id[0] if len(eos) == 1 else list(cfg.eos_token_id)

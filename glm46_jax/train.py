@@ -4,10 +4,11 @@
 
 The loop walks the curriculum (`data.curriculum.CurriculumIterator`): each phase brings its
 sequence length, batch, mixture and RoPE theta, and the step is compiled once per phase shape.
-Writes to `run_dir`: config.json (the resolved config), metrics.jsonl and tensorboard/ (one
-record per log or eval point, `metrics.MetricWriter`) and checkpoints/<step>/ (final params +
-buffers + model_config.json + the corpus's tokenizer.json). Only process 0 prints or writes
-files; every process runs the same program and reads its own share of the data.
+Writes to `run_dir`: config.json (the resolved config), tokenizer.json (the corpus's),
+metrics.jsonl and tensorboard/ (one record per log or eval point, `metrics.MetricWriter`) and
+checkpoints/<step>/ (`checkpoint.Checkpointer`: weights, optimizer, data-iterator state, meta),
+from which a restarted run resumes. Only process 0 prints or writes files other than checkpoints;
+every process runs the same program and reads its own share of the data.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from tqdm import tqdm
 
 from glm46_jax import checkpoint, metrics, sharding
 from glm46_jax.build import Run, build
+from glm46_jax.config import RUNTIME_FIELDS
 from glm46_jax.data import curriculum, loader
 from glm46_jax.data.curriculum import Phase
 from glm46_jax.train_step import TrainState
@@ -150,7 +152,12 @@ def train(config: ml_collections.ConfigDict,
         start_step = last + 1
         logging.info("resumed from %s (step %d, %d tokens seen)", ckpt.directory, last, data.tokens_seen)
     elif ccfg.init_from:  # mid-training / fine-tuning: the weights of another run or an HF import
-        _, _, params, buffers = checkpoint.load_params(ccfg.init_from, run.mesh)
+        init_cfg, _, params, buffers = checkpoint.load_params(ccfg.init_from, run.mesh)
+        differ = {f.name for f in dataclasses.fields(init_cfg) if f.name not in RUNTIME_FIELDS + ("rope_theta",)
+                  and getattr(init_cfg, f.name) != getattr(run.model_cfg, f.name)}
+        if differ:
+            raise ValueError(f"checkpoint.init_from={ccfg.init_from}: its model differs from config.model in "
+                             f"{sorted(differ)}; set those config.model fields to the checkpoint's values")
         state = state.replace(params=params, buffers=buffers)
         logging.info("initialised the weights from %s", ccfg.init_from)
     stop = _Preemption()

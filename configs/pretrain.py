@@ -127,11 +127,22 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.checkpoint.update(p.get("checkpoint", {}))
 
     # The corpus written by data_prep (`<root>/<domain>/<split>/*.array_record` + metadata.json).
-    c.data = dict(root="data/corpus", seed=0, num_workers=0, read_threads=2)
+    # process_split: "documents" = each process reads its own 1/P of every domain (scales to many hosts);
+    # "rows" = every process reads the whole global batch and keeps its rows, so the batches (and losses)
+    # are the same for any number of processes and a run can resume on another process count, at P x
+    # the reading (fine for small jobs and tests).
+    c.data = dict(root="data/corpus", seed=0, num_workers=0, read_threads=2, process_split="documents")
     c.data.update({k: v for k, v in p["data"].items() if k != "phases"})
     c.data.phases = ml_collections.ConfigDict(p["data"]["phases"], sort_keys=False)
     # ConfigDicts may sort their keys (and JSON dumps do): the order is stated, not implied.
     c.data.phase_order = tuple(p["data"]["phases"])
+
+    # Multi-process start-up (glm46_jax/distributed.py): coordinator/num_processes/process_id all set =
+    # explicit (launch/local_multiprocess.sh sets them); none set = Slurm's srun environment if present,
+    # else one process. mode="off" forces one process. A process silent for heartbeat_timeout_s makes the
+    # others abort (non-zero exit) instead of hanging.
+    c.distributed = dict(mode="auto", coordinator="", num_processes=0, process_id=-1, local_device_ids="",
+                         initialization_timeout_s=300, heartbeat_timeout_s=100, shutdown_timeout_s=60)
 
     # Every OptimConfig field (glm46_jax/optim.py): Muon for hidden matrices, AdamW for the rest.
     c.optim = dataclasses.asdict(OptimConfig(lr=2.5e-4, end_lr=2.5e-5, warmup_steps=2000, decay_steps=0))

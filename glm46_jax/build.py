@@ -46,6 +46,7 @@ class Run:
     tx: optax.GradientTransformation
     lr_schedule: optax.Schedule
     total_steps: int  # of this run: the curriculum's, or train.steps if smaller
+    global_rows: bool = False  # data.process_split="rows": every process reads the whole batch
 
     @property
     def accum_steps(self) -> int:
@@ -63,8 +64,9 @@ class Run:
         return flops_per_token(self.model_cfg, phase.seq_len)
 
     def device_batch(self, local: Mapping[str, np.ndarray], *, train: bool = True) -> dict[str, jax.Array]:
-        """This process's rows -> global arrays over the mesh's batch axes; for the train step with
-        accumulation, [accum, rows / accum, seq] with the micro-batch axis unsharded."""
+        """This process's rows (with `global_rows`: the whole batch) -> global arrays over the mesh's
+        batch axes; for the train step with accumulation, [accum, rows / accum, seq] with the
+        micro-batch axis unsharded."""
         a = self.accum_steps if train else 1
         layout = jax.NamedSharding(self.mesh, sharding.logical(*((None,) if a > 1 else ()), "batch", "seq"))
         out = {}
@@ -73,7 +75,10 @@ class Run:
             for k, v in local.items():
                 v = np.asarray(v)
                 v = v.reshape(a, v.shape[0] // a, *v.shape[1:]) if a > 1 else v
-                out[k] = jax.make_array_from_process_local_data(layout, v)
+                if self.global_rows:  # each device takes its slice of the same global rows
+                    out[k] = jax.make_array_from_callback(v.shape, layout, lambda index, v=v: v[index])
+                else:
+                    out[k] = jax.make_array_from_process_local_data(layout, v)
         return out
 
     def controls_at(self, tokens_seen: int, max_loss: float = float("inf")):
@@ -125,8 +130,13 @@ def build(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | Non
     with sharding.use_mesh(mesh):
         state = init_state(params, buffers, tx)
     d = config.data
-    loader_cfg = LoaderConfig(root=d.root, seed=d.seed, num_workers=d.num_workers, read_threads=d.read_threads)
+    split = d.get("process_split", "documents")
+    if split not in ("documents", "rows"):
+        raise ValueError(f"data.process_split={split!r}: expected 'documents' or 'rows'")
+    rows = {"process_index": 0, "process_count": 1} if split == "rows" else {}
+    loader_cfg = LoaderConfig(root=d.root, seed=d.seed, num_workers=d.num_workers, read_threads=d.read_threads,
+                              **rows)
     return Run(model_cfg=model_cfg, loss_cfg=loss_cfg, balance_cfg=balance_cfg,
                step_cfg=StepConfig(loss=loss_cfg, balance_mtp=balance_cfg.include_mtp, accum_steps=accum),
                curriculum=curriculum, loader_cfg=loader_cfg, mesh=mesh, state=state, tx=tx,
-               lr_schedule=lr_schedule, total_steps=total)
+               lr_schedule=lr_schedule, total_steps=total, global_rows=split == "rows")

@@ -18,9 +18,9 @@ Nothing on any load path unpickles: Orbax arrays (OCDBT/zarr) and JSON only.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
+import logging as std_logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -41,15 +41,17 @@ ITEMS = ("model", "optimizer", "data", "meta")
 _OVERRIDABLE = tuple(f for f in RUNTIME_FIELDS if f != "param_dtype")
 
 
-@contextlib.contextmanager
-def _quiet_orbax():
-    # Orbax logs a few dozen INFO lines per save/restore through absl; keep the console readable.
-    level = logging.get_verbosity()  # absl: larger = more verbose
-    logging.set_verbosity(min(level, logging.WARNING))
-    try:
-        yield
-    finally:
-        logging.set_verbosity(level)
+class _OrbaxInfoFilter(std_logging.Filter):
+    # Orbax logs a few dozen INFO lines per save through absl, many from its background save threads,
+    # so a verbosity switch around our calls cannot catch them. Its warnings and errors still pass.
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        return record.levelno >= std_logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+def _quiet_orbax() -> None:
+    absl_logger = logging.get_absl_logger()
+    if not any(isinstance(f, _OrbaxInfoFilter) for f in absl_logger.filters):
+        absl_logger.addFilter(_OrbaxInfoFilter())
 
 
 def _model_tree(params: nnx.State, buffers: nnx.State) -> dict[str, Any]:
@@ -71,6 +73,7 @@ def _all_processes_json(obj: Any) -> list[Any]:
 
 def _manager(directory: str, every: int = 1, keep: int | None = None, *, async_save: bool = True,
              best_metric: str | None = None) -> ocp.CheckpointManager:
+    _quiet_orbax()
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=max(int(every), 1), max_to_keep=keep, enable_async_checkpointing=async_save,
         # keep also the best by eval loss (lower is better) when asked; Orbax deletes an old step only
@@ -90,8 +93,13 @@ class Checkpointer:
         self._mngr = _manager(self.directory, self.every, keep, async_save=async_save, best_metric=best_metric)
 
     def due(self, step: int) -> bool:
-        """A regular save at `step`, or Orbax's multi-host preemption sync point was reached."""
-        return step % self.every == 0 or self._mngr.reached_preemption(step)
+        """A regular save is due after `step`."""
+        return step % self.every == 0
+
+    def preemption_step(self, step: int) -> bool:
+        """With several processes: a preemption notice reached one of them and all agreed to save
+        and stop after `step` (JAX's preemption sync point, via Orbax; False with one process)."""
+        return self._mngr.reached_preemption(step)
 
     def save(self, step: int, state, data_state: Any, meta: dict[str, Any],
              metrics: dict[str, float] | None = None) -> None:
@@ -101,45 +109,46 @@ class Checkpointer:
             optimizer=ocp.args.StandardSave({"step": state.step, "opt_state": state.opt_state}),
             data=ocp.args.JsonSave({"processes": _all_processes_json(data_state)}),
             meta=ocp.args.JsonSave(meta))
-        with _quiet_orbax():
-            self._mngr.save(step, args=args, metrics=metrics, force=True)
+        self._mngr.save(step, args=args, metrics=metrics, force=True)
 
     def wait(self) -> None:
-        with _quiet_orbax():
-            self._mngr.wait_until_finished()
+        self._mngr.wait_until_finished()
 
     def steps(self) -> list[int]:
         return sorted(self._mngr.all_steps())
 
-    def restore_latest(self, target) -> tuple[int, Any, Any, dict[str, Any]] | None:
+    def restore_latest(self, target, shared_data: bool = False) -> tuple[int, Any, Any, dict[str, Any]] | None:
         """(step, state, this process's data state, meta) of the newest checkpoint that restores.
 
         `target` is a TrainState laid out on the *current* mesh (e.g. a freshly initialised one):
         its shardings are the restore target, so a checkpoint saved on another mesh lands directly
         in this one's layout. A damaged newest step (missing or truncated file) is skipped with a
-        warning naming it, and the one before is tried.
+        warning naming it, and the one before is tried. `shared_data`: every process read the same
+        data (`data.process_split="rows"`), so the data state restores on any number of processes.
         """
         for step in reversed(self.steps()):
             try:
-                return (step, *self._restore(step, target))
+                return (step, *self._restore(step, target, shared_data))
             except Exception as e:  # noqa: BLE001 - any failure to read a step means: try the previous one
                 logging.warning("checkpoint %s is damaged or incomplete (%s: %s); trying the previous one",
                                 os.path.join(self.directory, str(step)), type(e).__name__, str(e)[:300])
         return None
 
-    def _restore(self, step: int, target):
+    def _restore(self, step: int, target, shared_data: bool):
         abstract = lambda tree: jax.tree.map(  # noqa: E731
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
         model_target = abstract(_model_tree(target.params, target.buffers))
         opt_target = abstract({"step": target.step, "opt_state": target.opt_state})
-        with _quiet_orbax():
-            r = self._mngr.restore(step, args=ocp.args.Composite(
-                model=ocp.args.StandardRestore(model_target), optimizer=ocp.args.StandardRestore(opt_target),
-                data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+        r = self._mngr.restore(step, args=ocp.args.Composite(
+            model=ocp.args.StandardRestore(model_target), optimizer=ocp.args.StandardRestore(opt_target),
+            data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
         processes = r["data"]["processes"]
-        if len(processes) != jax.process_count():
-            raise ValueError(f"saved by {len(processes)} processes, restoring with {jax.process_count()}: the "
-                             "data iterators cannot be split differently (start a new run from the weights)")
+        if shared_data:
+            processes = processes[:1] * jax.process_count()
+        elif len(processes) != jax.process_count():
+            raise ValueError(f"saved by {len(processes)} processes, restoring with {jax.process_count()}: their "
+                             "data iterators cannot be split differently. Resume with the same number of processes, "
+                             "or start a new run from these weights with checkpoint.init_from")
         params, buffers = jax.tree.map(lambda x: x, (target.params, target.buffers))  # copies of the structure
         nnx.replace_by_pure_dict(params, r["model"]["params"])
         nnx.replace_by_pure_dict(buffers, r["model"]["buffers"])
@@ -161,10 +170,9 @@ def save_params(directory: str | os.PathLike, step: int, params: nnx.State, buff
     mngr = _manager(directory, async_save=False)
     args = {"model": ocp.args.StandardSave(_model_tree(params, buffers)),
             "meta": ocp.args.JsonSave({**(meta or {}), "model_config": dataclasses.asdict(model_cfg)})}
-    with _quiet_orbax():
-        mngr.save(int(step), args=ocp.args.Composite(**args), force=True)
-        mngr.wait_until_finished()
-        mngr.close()
+    mngr.save(int(step), args=ocp.args.Composite(**args), force=True)
+    mngr.wait_until_finished()
+    mngr.close()
     return os.path.join(directory, str(int(step)))
 
 
@@ -219,7 +227,8 @@ def load_params(path: str | os.PathLike, mesh: jax.sharding.Mesh, **runtime: Any
     cfg = cfg.replace(**runtime)
     graphdef, abstract_params, abstract_buffers = abstract_model(cfg, mesh)
     target = _model_tree(abstract_params, abstract_buffers)
-    with _quiet_orbax(), ocp.StandardCheckpointer() as checkpointer:
+    _quiet_orbax()
+    with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(os.path.join(step_dir, "model"), target)
     nnx.replace_by_pure_dict(abstract_params, restored["params"])
     nnx.replace_by_pure_dict(abstract_buffers, restored["buffers"])

@@ -7,8 +7,12 @@ sequence length, batch, mixture and RoPE theta, and the step is compiled once pe
 Writes to `run_dir`: config.json (the resolved config), tokenizer.json (the corpus's),
 metrics.jsonl and tensorboard/ (one record per log or eval point, `metrics.MetricWriter`) and
 checkpoints/<step>/ (`checkpoint.Checkpointer`: weights, optimizer, data-iterator state, meta),
-from which a restarted run resumes. Only process 0 prints or writes files other than checkpoints;
-every process runs the same program and reads its own share of the data.
+from which a restarted run resumes.
+
+Multi-process (`distributed.initialize`, called first by `main`: Slurm's srun, or
+`launch/local_multiprocess.sh N`): every process runs this same program on its own devices and
+reads its own share of the data (or, with data.process_split="rows", the whole batch); all of them
+take part in checkpointing; only process 0 prints or writes metrics.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from glm46_jax import checkpoint, metrics, sharding
+from glm46_jax import checkpoint, distributed, metrics, sharding
 from glm46_jax.build import Run, build
 from glm46_jax.config import RUNTIME_FIELDS
 from glm46_jax.data import curriculum, loader
@@ -56,12 +60,15 @@ def _eval_set(run: Run, phase: Phase, batches: int) -> list[dict[str, jax.Array]
 class _Preemption:
     """SIGTERM / SIGUSR1 (Slurm `--signal`) ask the loop to finish its step, save and stop.
 
-    A context manager: the previous handlers come back afterwards (tests run many trainings).
+    One process: a Python handler sets `requested`. Several processes must all stop after the same
+    step, though the signal may reach them steps apart (or reach only one): there SIGTERM is left to
+    JAX's preemption service (installed by `jax.distributed.initialize`), which tells every process
+    and agrees on a step, seen through `Checkpointer.preemption_step`; SIGUSR1 is turned into a
+    SIGTERM for it. A context manager: the previous handlers come back afterwards.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self):
+    def __init__(self, multi_process: bool):
+        self.multi_process = multi_process
         self.requested: str | None = None
         self._previous = {}
 
@@ -69,14 +76,25 @@ class _Preemption:
         del frame
         self.requested = signal.Signals(signum).name
 
+    def _to_sigterm(self, signum, frame):
+        del signum, frame
+        os.kill(os.getpid(), signal.SIGTERM)
+
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+            handlers = {signal.SIGUSR1: self._to_sigterm} if self.multi_process else \
+                {signal.SIGTERM: self._handle, signal.SIGUSR1: self._handle}
+            self._previous = {s: signal.signal(s, h) for s, h in handlers.items()}
         return self
 
     def __exit__(self, *exc):
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+
+    def stop_after(self, step: int, ckpt: checkpoint.Checkpointer) -> bool:
+        if self.multi_process and self.requested is None and ckpt.preemption_step(step):
+            self.requested = "preemption notice (SIGTERM to one of the processes)"
+        return self.requested is not None
 
 
 class _SpikeGuard:
@@ -140,7 +158,7 @@ def train(config: ml_collections.ConfigDict,
                                    best_metric="eval/ce" if ccfg.keep_best else None)
     start_step, resumed = 1, None
     if ccfg.resume == "auto":
-        resumed = ckpt.restore_latest(state)
+        resumed = ckpt.restore_latest(state, shared_data=run.global_rows)
     elif ccfg.resume != "never":
         raise ValueError(f"checkpoint.resume={ccfg.resume!r}: expected 'auto' or 'never'")
     elif ckpt.steps():  # starting over would overwrite them: never lose a written checkpoint
@@ -160,7 +178,7 @@ def train(config: ml_collections.ConfigDict,
                              f"{sorted(differ)}; set those config.model fields to the checkpoint's values")
         state = state.replace(params=params, buffers=buffers)
         logging.info("initialised the weights from %s", ccfg.init_from)
-    stop = _Preemption()
+    stop = _Preemption(multi_process=jax.process_count() > 1)
     if tcfg.bad_steps not in ("skip", "rollback"):
         raise ValueError(f"train.bad_steps={tcfg.bad_steps!r}: expected 'skip' or 'rollback'")
     spikes = _SpikeGuard(tcfg.spike_factor, tcfg.spike_warmup)
@@ -247,7 +265,7 @@ def train(config: ml_collections.ConfigDict,
                 # Back to the last checkpoint's weights and optimizer, but not its data: the batches
                 # that went bad are skipped.
                 ckpt.wait()
-                restored = ckpt.restore_latest(state)
+                restored = ckpt.restore_latest(state, shared_data=run.global_rows)
                 if restored is None:
                     raise FloatingPointError(f"step {step}: {int(in_a_row)} bad steps in a row and no checkpoint "
                                              f"in {ckpt.directory} to roll back to")
@@ -284,10 +302,11 @@ def train(config: ml_collections.ConfigDict,
                 writer.write(step, {**last_eval, "eval/phase_index": float(len(phases_seen) - 1)})
                 t_log = time.perf_counter()  # keep eval time out of train/step_s
             bar.update(1)
-            if ckpt.due(step) or step == run.total_steps or stop.requested:
+            stopping = stop.stop_after(step, ckpt)
+            if ckpt.due(step) or step == run.total_steps or stopping:
                 save(step, step_phase, step_data, step_tokens_after,
                      {"eval/ce": last_eval["eval/ce"]} if last_eval else None)
-            if stop.requested:
+            if stopping:
                 logging.warning("%s: saved step %d and stopping", stop.requested, step)
                 break
     data.close()
@@ -303,7 +322,8 @@ def train(config: ml_collections.ConfigDict,
         "start_total_loss": first["train/loss"], "end_total_loss": float(np.mean([m["loss"] for m in tail])),
         **last_eval, "compile_s": compile_s, "step_s": step_s, "phases": phases_seen,
         "tokens_seen": step_tokens_after, "steps": step, "start_step": start_step,
-        "preempted": stop.requested, "save_block_s": save_block_s, "rollbacks": rollbacks, "mfu": mfu_num / t_train / peak if peak and t_train else None,
+        "preempted": stop.requested, "save_block_s": save_block_s, "rollbacks": rollbacks,
+        "mfu": mfu_num / t_train / peak if peak and t_train else None,
         "wall_s": time.perf_counter() - t_start, "checkpoint": ckpt_dir,
     }
     if is_main:
@@ -321,6 +341,7 @@ def train(config: ml_collections.ConfigDict,
 
 def main(argv):
     del argv
+    distributed.initialize(flags.FLAGS.config.distributed)  # before anything touches a device
     if jax.process_index() != 0:
         logging.set_verbosity(logging.WARNING)
     train(flags.FLAGS.config)

@@ -1,0 +1,172 @@
+"""Multi-process start-up: `jax.distributed` under Slurm, from explicit settings, or not at all.
+
+    cluster = distributed.initialize(config.distributed)   # first thing: before any device is touched
+
+Who the processes are is decided here, once, in this order:
+  1. explicit settings (`coordinator`, `num_processes`, `process_id`; `launch/local_multiprocess.sh`
+     passes them), all three or none;
+  2. Slurm: inside `srun` (SLURM_PROCID and a node list), coordinator = the first host of the
+     step's node list (falling back to the job's, for launchers that set only SLURM_JOB_NODELIST /
+     SLURM_NODELIST), port = job id % 4096 + 61440 as JAX's own Slurm detection picks it;
+  3. otherwise a single process (no `jax.distributed`).
+We resolve the Slurm settings ourselves instead of letting JAX detect them because JAX then always
+restricts each process to the GPU numbered SLURM_LOCALID, which leaves 7 of 8 GPUs idle when a
+job runs one task per node; here one device per task is used only with several tasks on a node.
+
+Failure behaviour comes from JAX's coordination service: a process that stops sending heartbeats
+for `heartbeat_timeout_s` (a crash, a kill, a lost node) makes every other process abort with
+"the JAX distributed service detected fatal errors ... another task died" (non-zero exit); a dead
+coordinator (process 0) is noticed at once. The batch script restarts the job, and the run resumes
+from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from absl import logging
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """Where this process stands: what `jax.distributed.initialize` is called with."""
+    coordinator: str  # host:port of process 0's coordination service
+    num_processes: int
+    process_id: int
+    local_device_ids: tuple[int, ...] | None  # None: every device this host sees
+    source: str  # "explicit" or "slurm (<the variables read>)"
+
+
+# --- Slurm ------------------------------------------------------------------------------------
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm host list: 'node[007-009,012],gpu2' -> 'node007'.
+
+    Handles several bracketed ranges in one name ('rack[1-2]-n[01-04]' -> 'rack1-n01'); zero padding
+    is kept as written, as Slurm does.
+    """
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):  # the first top-level comma ends the first name
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            end = i
+            break
+    name = nodelist[:end].strip()
+    if not name or depth < 0 or name.count("[") != name.count("]"):
+        raise ValueError(f"cannot parse the Slurm node list {nodelist!r}")
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], name)
+
+
+def _tasks_per_node(spec: str) -> list[int]:
+    """Slurm's compressed per-node task counts: '2(x3),1' -> [2, 2, 2, 1]."""
+    counts = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise ValueError(f"cannot parse the Slurm tasks-per-node value {spec!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def slurm_cluster(env: Mapping[str, str]) -> Cluster | None:
+    """The cluster Slurm describes in `env`, or None when this is not a multi-task Slurm step."""
+    if "SLURM_JOB_ID" not in env or "SLURM_PROCID" not in env:
+        return None
+    used = ["SLURM_JOB_ID", "SLURM_PROCID"]
+
+    def first(*names: str) -> str | None:
+        name = next((n for n in names if env.get(n)), None)
+        if name:
+            used.append(name)
+        return env[name] if name else None
+
+    ntasks = first("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+    if ntasks is None or int(ntasks) <= 1:
+        return None
+    nodelist = first("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+    if nodelist is None:
+        raise ValueError("Slurm: SLURM_PROCID and SLURM_NTASKS are set but no node list (SLURM_STEP_NODELIST, "
+                         "SLURM_JOB_NODELIST or SLURM_NODELIST); set --config.distributed.coordinator=HOST:PORT")
+    port = int(env.get("JAX_COORDINATOR_PORT") or int(env["SLURM_JOB_ID"]) % 4096 + 61440)
+    # Several tasks on this node share its GPUs: one each (by local rank), unless Slurm already bound one
+    # GPU per task (CUDA_VISIBLE_DEVICES lists a single device, which each task then sees as device 0).
+    local_ids = None
+    per_node = first("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+    node_id = int(env.get("SLURM_NODEID", "0"))
+    counts = _tasks_per_node(per_node) if per_node else []
+    tasks_here = counts[node_id] if node_id < len(counts) else int(env.get("SLURM_NTASKS_PER_NODE", "1"))
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if tasks_here > 1 and len(visible) != 1 and "SLURM_LOCALID" in env:
+        local_ids = (int(env["SLURM_LOCALID"]),)
+    return Cluster(coordinator=f"{first_host(nodelist)}:{port}", num_processes=int(ntasks),
+                   process_id=int(env["SLURM_PROCID"]), local_device_ids=local_ids,
+                   source=f"slurm ({', '.join(used)})")
+
+
+# --- resolution and start-up ------------------------------------------------------------------
+
+def _device_ids(value: Any) -> tuple[int, ...] | None:
+    if value in (None, "", ()):
+        return None
+    if isinstance(value, str):
+        return tuple(int(v) for v in value.split(",") if v.strip())
+    return tuple(int(v) for v in value)
+
+
+def resolve(cfg: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Cluster | None:
+    """The cluster from `config.distributed` (explicit wins) or the Slurm environment; None = one process."""
+    env = os.environ if env is None else env
+    coordinator, num, pid = cfg.get("coordinator") or "", int(cfg.get("num_processes") or 0), \
+        int(cfg.get("process_id", -1))
+    given = {"coordinator": bool(coordinator), "num_processes": num > 0, "process_id": pid >= 0}
+    if any(given.values()):
+        missing = [k for k, v in given.items() if not v]
+        if missing:
+            raise ValueError(f"config.distributed: {missing} must be set together with "
+                             f"{[k for k, v in given.items() if v]} (or none of them, for Slurm auto-detection)")
+        if not 0 <= pid < num:
+            raise ValueError(f"config.distributed.process_id={pid} must be in [0, num_processes={num})")
+        if num == 1:
+            return None
+        return Cluster(coordinator, num, pid, _device_ids(cfg.get("local_device_ids")), "explicit")
+    cluster = slurm_cluster(env)
+    if cluster is not None and cfg.get("local_device_ids"):
+        cluster = dataclasses.replace(cluster, local_device_ids=_device_ids(cfg["local_device_ids"]))
+    return cluster
+
+
+def initialize(cfg: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Cluster | None:
+    """Start `jax.distributed` if this is one of several processes; call before any device is used."""
+    mode = cfg.get("mode", "auto")
+    if mode not in ("auto", "off"):
+        raise ValueError(f"config.distributed.mode={mode!r}: expected 'auto' (explicit settings, else Slurm, else "
+                         "one process) or 'off' (always one process)")
+    if mode == "off":
+        return None
+    cluster = resolve(cfg, env)
+    if cluster is None:
+        return None
+    init_s = int(cfg.get("initialization_timeout_s", 300))
+    try:
+        jax.distributed.initialize(
+            coordinator_address=cluster.coordinator, num_processes=cluster.num_processes,
+            process_id=cluster.process_id, local_device_ids=cluster.local_device_ids,
+            cluster_detection_method="deactivate", initialization_timeout=init_s,
+            heartbeat_timeout_seconds=int(cfg.get("heartbeat_timeout_s", 100)),
+            shutdown_timeout_seconds=int(cfg.get("shutdown_timeout_s", 60)))
+    except Exception as e:  # noqa: BLE001 - JAX raises its runtime error type; say what to check, keep the cause
+        raise RuntimeError(
+            f"process {cluster.process_id} of {cluster.num_processes} could not join the job at {cluster.coordinator} "
+            f"(from {cluster.source}) within {init_s} s: are all {cluster.num_processes} processes started (under "
+            f"Slurm, with srun, not plain python in the batch script), and can this host reach that port?") from e
+    logging.info("process %d of %d (%s), coordinator %s; %d local of %d devices", cluster.process_id,
+                 cluster.num_processes, cluster.source, cluster.coordinator, jax.local_device_count(),
+                 jax.device_count())
+    return cluster
+

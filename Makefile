@@ -1,7 +1,8 @@
 # glm46_jax developer entry points.
 #
 #   make venv       create .venv (Python >= 3.12) and install the package with the dev and data extras
-#   make test       run the test suite (pass extra pytest flags with PYTEST_ARGS="-k router -x")
+#   make test       run the test suite on 2 workers (TEST_WORKERS=0: one process; extra pytest flags with
+#                   PYTEST_ARGS="-k router -x")
 #   make data       build the sample corpus data/sample (python -m data_prep sample; offline, < 1 min)
 #   make train      tiny GLM-MoE pre-training on CPU over data/sample (extra flags with ARGS="--config.train.steps=50")
 #   make fixtures   regenerate tests/fixtures/hf_* with HF transformers in a separate Python 3.11 .venv-hf
@@ -23,6 +24,7 @@ PYTHON      ?=
 PYTHON_HF   ?=
 PYTEST_ARGS ?=
 ARGS        ?=
+TEST_WORKERS ?= 2
 # torch/transformers for the fixture generator (tests/fixtures/make_hf_fixtures.py was run with these).
 # HF_PIP_ARGS can add e.g. "--index-url https://download.pytorch.org/whl/cpu" to avoid the CUDA torch wheels.
 HF_PKGS     ?= torch==2.13.0 transformers==5.23.0 safetensors numpy
@@ -53,8 +55,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -c 'import sys; assert sys.version_info >= (3, 12), sys.version; print("$(VENV):", sys.version.split()[0])'
 	@touch $@
 
+# Two pytest workers (pytest-xdist), a test file per worker: most of the suite's time is XLA compiling on CPU,
+# which runs on one core per compile. TEST_WORKERS=0 runs in this process (needed for pdb).
 test: $(VENV)/.installed
-	@TIMEFORMAT='suite time: %1Rs'; time $(PY) -m pytest -q tests $(PYTEST_ARGS)
+	@TIMEFORMAT='suite time: %1Rs'; time $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests $(PYTEST_ARGS)
 
 # The sample corpus (stdlib code + prose, 512-token BPE) that the tiny preset trains on; built
 # once, offline. A half-written one resumes: data_prep skips shards already complete.

@@ -57,7 +57,7 @@ def _train_process(run_dir: str, corpus: str, steps: int = STEPS) -> subprocess.
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
            # the test session's compile cache: later runs of the same shapes skip XLA compilation
            "JAX_COMPILATION_CACHE_DIR": os.path.expanduser("~/.cache/glm46_jax/xla"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1", "PYTHONPATH": ROOT}
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "PYTHONPATH": ROOT}
     cmd = [sys.executable, "-m", "glm46_jax.train", "--config=configs/pretrain.py:tiny", *_flags(run_dir, corpus, steps)]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -330,7 +330,7 @@ def train(config: ml_collections.ConfigDict,
         print(f"start loss {summary['start_loss']:.3f} -> end loss {summary['end_loss']:.3f} "
               f"(next-token CE, nats/token; mean of the last {len(tail)} steps; total loss with MTP and aux: "
               f"{summary['start_total_loss']:.3f} -> {summary['end_total_loss']:.3f}; "
-              f"held-out CE {last_eval.get('eval/ce', float('nan')):.3f})")
+              f"held-out CE {format(last_eval['eval/ce'], '.3f') if last_eval else 'n/a: no eval ran'})")
         mfu = f"{summary['mfu']:.1%} MFU vs {peak_source}" if summary["mfu"] else "MFU n/a"
         print(f"steps {start_step}-{step} of {run.total_steps} through phases {' -> '.join(phases_seen)} "
               f"({step_tokens_after:,} tokens seen); compile {compile_s:.1f} s, {step_s * 1e3:.0f} ms/step, {mfu}; "

@@ -29,7 +29,7 @@ class TokenizerInfo:
     source: str  # "trained" or the path it was loaded from
     eos_token: str
     eos_id: int
-    pad_id: int | None
+    pad_id: int  # `<|pad|>` if the tokenizer has one, else the EOS id (GLM's tokenizer pads with <|endoftext|>)
     vocab_size: int
 
     @property
@@ -59,8 +59,12 @@ def _describe(tok: Tokenizer, tokenizer_json: str, source: str, eos_token: str) 
     eos_id = tok.token_to_id(eos_token)
     if eos_id is None:
         raise ValueError(f"tokenizer {source} has no token {eos_token!r}; pass its end-of-text token with --eos-token")
+    # Padding is never attended to nor trained on (segment id 0, loss mask 0): any valid id works, and a
+    # tokenizer without `<|pad|>` (GLM's own pads with `<|endoftext|>`) uses its EOS.
+    pad_id = tok.token_to_id(PAD_TOKEN)
     return TokenizerInfo(json=tokenizer_json, source=source, eos_token=eos_token, eos_id=eos_id,
-                         pad_id=tok.token_to_id(PAD_TOKEN), vocab_size=tok.get_vocab_size(with_added_tokens=True))
+                         pad_id=eos_id if pad_id is None else pad_id,
+                         vocab_size=tok.get_vocab_size(with_added_tokens=True))
 
 
 def trained(texts: Sequence[str], vocab_size: int) -> TokenizerInfo:

@@ -36,6 +36,7 @@ from glm46_jax.config import RUNTIME_FIELDS, ModelConfig, model_config_from_dict
 from glm46_jax.model import abstract_model
 
 CHECKPOINTS = "checkpoints"
+_UNCOMMITTED = ".orbax-checkpoint-tmp"  # Orbax writes a step under this suffix and renames it when complete
 ITEMS = ("model", "optimizer", "data", "meta")
 # How the model runs may change at load time; what it is (param_dtype included) comes from the weights.
 _OVERRIDABLE = tuple(f for f in RUNTIME_FIELDS if f != "param_dtype")
@@ -74,13 +75,21 @@ def _all_processes_json(obj: Any) -> list[Any]:
 def _manager(directory: str, every: int = 1, keep: int | None = None, *, async_save: bool = True,
              best_metric: str | None = None) -> ocp.CheckpointManager:
     _quiet_orbax()
+    # The last `keep` steps, and with `best_metric` also the best one by it (lower is better). Spelled out as
+    # a preservation policy: Orbax's `best_fn` option alone would keep *only* the best `keep` and could delete
+    # the newest step (e.g. a preemption save). Orbax deletes an old step only after the new one is committed.
+    policies = [ocp.checkpoint_managers.LatestN(n=keep)]
+    if best_metric:
+        policies.append(ocp.checkpoint_managers.BestN(
+            get_metric_fn=lambda m: m[best_metric], reverse=True, n=1, keep_checkpoints_without_metrics=False))
     options = ocp.CheckpointManagerOptions(
-        save_interval_steps=max(int(every), 1), max_to_keep=keep, enable_async_checkpointing=async_save,
-        # keep also the best by eval loss (lower is better) when asked; Orbax deletes an old step only
-        # after the new one is committed.
-        best_fn=(lambda m: m[best_metric]) if best_metric else None, best_mode="min",
-        keep_checkpoints_without_metrics=True, create=True)
+        save_interval_steps=max(int(every), 1), enable_async_checkpointing=async_save, create=True,
+        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies))
     return ocp.CheckpointManager(directory, item_names=ITEMS, options=options)
+
+
+class IncompatibleCheckpoint(ValueError):
+    """A checkpoint that reads fine but cannot continue this run (e.g. another process count)."""
 
 
 class Checkpointer:
@@ -126,12 +135,26 @@ class Checkpointer:
         warning naming it, and the one before is tried. `shared_data`: every process read the same
         data (`data.process_split="rows"`), so the data state restores on any number of processes.
         """
+        if os.path.isdir(self.directory):  # a save cut off mid-write: never listed as a step, so say so here
+            for name in sorted(os.listdir(self.directory)):
+                if _UNCOMMITTED in name:
+                    logging.warning("checkpoint %s was never committed (a save cut off mid-write); ignoring it",
+                                    os.path.join(self.directory, name))
+        failures = []
         for step in reversed(self.steps()):
             try:
                 return (step, *self._restore(step, target, shared_data))
+            except IncompatibleCheckpoint:
+                raise  # readable, but not by this run: no older step would be either
             except Exception as e:  # noqa: BLE001 - any failure to read a step means: try the previous one
+                where = os.path.join(self.directory, str(step))
+                failures.append(f"{where}: {type(e).__name__}: {str(e)[:300]}")
                 logging.warning("checkpoint %s is damaged or incomplete (%s: %s); trying the previous one",
-                                os.path.join(self.directory, str(step)), type(e).__name__, str(e)[:300])
+                                where, type(e).__name__, str(e)[:300])
+        if failures:  # starting over would later collide with (and could replace) the steps on disk
+            raise RuntimeError(f"no checkpoint in {self.directory} restores, so the run cannot resume:\n  "
+                               + "\n  ".join(failures) + "\nMove the damaged steps aside (or use a new run_dir) "
+                               "to start over; nothing was deleted.")
         return None
 
     def _restore(self, step: int, target, shared_data: bool):
@@ -146,9 +169,10 @@ class Checkpointer:
         if shared_data:
             processes = processes[:1] * jax.process_count()
         elif len(processes) != jax.process_count():
-            raise ValueError(f"saved by {len(processes)} processes, restoring with {jax.process_count()}: their "
-                             "data iterators cannot be split differently. Resume with the same number of processes, "
-                             "or start a new run from these weights with checkpoint.init_from")
+            raise IncompatibleCheckpoint(
+                f"{self.directory}/{step} was saved by {len(processes)} processes, restoring with "
+                f"{jax.process_count()}: their data iterators cannot be split differently. Resume with the same "
+                "number of processes, or start a new run from these weights with checkpoint.init_from")
         params, buffers = jax.tree.map(lambda x: x, (target.params, target.buffers))  # copies of the structure
         nnx.replace_by_pure_dict(params, r["model"]["params"])
         nnx.replace_by_pure_dict(buffers, r["model"]["buffers"])

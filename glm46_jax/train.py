@@ -230,6 +230,7 @@ def train(config: ml_collections.ConfigDict,
     history: collections.deque = collections.deque(maxlen=_END_WINDOW)  # device metrics, fetched at the end
     first: dict[str, float] = {}
     last_eval: dict[str, float] = {}
+    last_eval_step = 0
     phases_seen: list[str] = []
     mfu_num = 0.0
     if start_step > run.total_steps:
@@ -298,14 +299,15 @@ def train(config: ml_collections.ConfigDict,
                 bar.set_postfix(loss=f"{values['train/loss']:.3f}", ce=f"{values['train/ce']:.3f}")
             if step % tcfg.eval_every == 0 or step == run.total_steps or (
                     step < run.total_steps and phase.name != step_phase.name):  # every phase ends with an eval
-                last_eval = evaluate(step_phase, eval_step, step_ctrl)
+                last_eval, last_eval_step = evaluate(step_phase, eval_step, step_ctrl), step
                 writer.write(step, {**last_eval, "eval/phase_index": float(len(phases_seen) - 1)})
                 t_log = time.perf_counter()  # keep eval time out of train/step_s
             bar.update(1)
             stopping = stop.stop_after(step, ckpt)
             if ckpt.due(step) or step == run.total_steps or stopping:
                 save(step, step_phase, step_data, step_tokens_after,
-                     {"eval/ce": last_eval["eval/ce"]} if last_eval else None)
+                     # keep_best ranks a step by its own eval only: an older eval would misjudge it
+                     {"eval/ce": last_eval["eval/ce"]} if last_eval_step == step else None)
             if stopping:
                 logging.warning("%s: saved step %d and stopping", stop.requested, step)
                 break

@@ -110,8 +110,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cf
 
     def step(state: TrainState, batch: Batch, ctrl: Controls) -> tuple[TrainState, dict[str, Any]]:
         grads, metrics = grads_and_metrics(state.params, state.buffers, batch, ctrl["mtp_weight"])
-        # A loss spike poisons the gradient, so `apply_if_finite` skips and counts it like a NaN.
-        spike = metrics["loss"] > ctrl.get("max_loss", jnp.inf)
+        # A loss spike poisons the gradient, so `apply_if_finite` skips and counts it like a NaN. A NaN/Inf
+        # loss is one too: its gradient may still be finite (e.g. a non-finite term cut off by stop_gradient).
+        spike = (metrics["loss"] > ctrl.get("max_loss", jnp.inf)) | ~jnp.isfinite(metrics["loss"])
         grad_norm = optax.tree.norm(grads)
         grads = jax.tree.map(lambda g: jnp.where(spike, jnp.nan, g), grads)
         before = _finite_state(state.opt_state)

@@ -388,3 +388,32 @@ def test_invalid_phases_and_curricula_say_what_is_wrong(corpus):
     with pytest.raises(ValueError, match="does not have at that index"):
         CurriculumIterator(Curriculum((Phase(**ok),)), cfg_for(root),
                            state={"phase_index": 0, "phase_name": "other", "tokens_seen": 0, "step": 0, "data": None})
+
+
+def test_glm45_schedule_from_the_config_file():
+    """configs/pretrain.py:glm45 is GLM-4.5's curriculum (GLM_SPEC §5.1), checked against the report's numbers."""
+    import importlib.util
+
+    from glm46_jax.data.curriculum import from_config, num_steps
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "pretrain.py")
+    spec = importlib.util.spec_from_file_location("pretrain_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("glm45")
+    cur = from_config(config.data.phases, config.data.phase_order)
+    T, B = 10**12, 10**9
+    assert [(p.name, p.tokens, p.seq_len, p.rope_theta, p.pack) for p in cur.phases] == [
+        ("general", 15 * T, 4096, 1e4, "concat"), ("code_reasoning", 7 * T, 4096, 1e4, "concat"),
+        ("repo_code", 500 * B, 32768, 1e6, "best_fit"), ("synthetic_reasoning", 500 * B, 32768, 1e6, "best_fit"),
+        ("long_context_agent", 100 * B, 131072, 1e6, "best_fit")]
+    assert cur.total_tokens == 23_100 * B
+    general = cur.phases[0]
+    # The batch ramps 16M -> 64M tokens over the first 500B tokens, in 4M-token (1024-row) steps.
+    assert [general.rows_at(t) * 4096 for t in (0, 250 * B, 500 * B, 14 * T)] == [
+        2**24, (4096 + 6 * 1024) * 4096, 2**26, 2**26]
+    assert all(p.global_batch * p.seq_len == 2**26 for p in cur.phases)  # 64M tokens per step after the ramp
+    assert [cur.phase_at(t) for t in (15 * T - 1, 15 * T, 22 * T, 22_500 * B, 23 * T)] == [0, 1, 2, 3, 4]
+    # Steps: past the ramp every phase spends its tokens 64M at a time, so 23.1T / 64M = 344,216.8 is a lower
+    # bound and the ramp (average ~40M tokens/step over 500B) adds at most 500B / 16M - 500B / 64M = 22,352.
+    assert 344_217 < num_steps(cur) < 344_217 + 22_352 + len(cur.phases)

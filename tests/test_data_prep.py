@@ -410,6 +410,31 @@ def test_loaded_tokenizer_and_literal_special_tokens(tmp_path, small_corpus):
         run_pipeline(dataclasses.replace(cfg, tokenizer=TokenizerOptions(path=tok_path, eos_token="<eos>")))
 
 
+def test_tokenizer_without_pad_token_pads_with_eos_in_the_loader(tmp_path, small_corpus):
+    """GLM's tokenizer.json has no `<|pad|>` (it pads with `<|endoftext|>`): the corpus records EOS as the
+    pad id and a best-fit loader, which pads, reads it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from glm46_jax.data import loader
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["some words to learn merges from"] * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["[MASK]", "<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok_path = tmp_path / "glm_like_tokenizer.json"
+    tok.save(str(tok_path))
+    cfg = config(tmp_path, small_corpus, tokenizer=TokenizerOptions(path=str(tok_path)),
+                 write=WriteOptions(heldout_fraction=0.0))
+    meta, _ = run_pipeline(cfg)
+    eos = tok.token_to_id("<|endoftext|>")
+    assert eos == 1 and meta["tokenizer"]["eos_id"] == eos and meta["tokenizer"]["pad_id"] == eos
+    batch = next(iter(loader.training_batches(loader.LoaderConfig(cfg.out, read_threads=1, pack_bins=4),
+                                              {"prose": 1.0}, 2048, 2, "best_fit")))
+    pad = batch["segment_ids"] == 0
+    assert pad.any() and (batch["inputs"][pad] == eos).all()  # 2048-token rows of ~800-token documents get padded
+
+
 # --- the embedded sample corpus ------------------------------------------------------------------------
 
 def test_sample_command_builds_both_domains(tmp_path, capsys):

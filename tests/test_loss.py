@@ -1,5 +1,8 @@
 """Losses against float64 NumPy references: the vocab-parallel CE and the MTP target alignment."""
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,9 +66,17 @@ def test_cross_entropy_with_vocab_sharded_logits():
     with sharding.use_mesh(mesh):
         sharded = jax.device_put(jnp.asarray(logits), jax.NamedSharding(mesh, sharding.logical("batch", "seq", "vocab")))
         ce, _ = jax.jit(cross_entropy)(sharded, jnp.asarray(labels), jnp.asarray(mask))
-        grad = jax.jit(jax.grad(lambda z: cross_entropy(z, jnp.asarray(labels), jnp.asarray(mask))[0]))(sharded)
+        grad_fn = jax.jit(jax.grad(lambda z: cross_entropy(z, jnp.asarray(labels), jnp.asarray(mask))[0]))
+        grad = grad_fn(sharded)
+        compiled = [fn.lower(sharded, *args).compile().as_text() for fn, args in (
+            (jax.jit(cross_entropy), (jnp.asarray(labels), jnp.asarray(mask))), (grad_fn, ()))]
     np.testing.assert_allclose(float(ce), np_masked_mean(np_nll(logits, labels), mask), rtol=1e-6)
     assert grad.sharding.spec == sharding.logical("batch", "seq", "vocab")
+    # Vocab-parallel: no device ever holds a full 40-wide vocab row (each has its 20), and nothing is
+    # all-gathered; the only collectives are the small all-reduces of the per-position sums.
+    for hlo in compiled:
+        assert not re.findall(r"\w+\[[\d,]*\b40\b[\d,]*\]", hlo) and "all-gather" not in hlo
+        assert "all-reduce" in hlo
 
 
 def test_mtp_labels_alignment():
@@ -166,6 +177,13 @@ def test_loss_fn_matches_hand_computed_terms(mesh1, tiny_case):
     np.testing.assert_allclose(float(metrics["aux_loss"]), aux, rtol=2e-5)
     assert 2.0 < aux < 4.0  # 2 trunk MoE layers + MTP, each ~1 for a near-uniform random router
     np.testing.assert_allclose(float(loss), ce + 0.3 * mtp_ce + 1e-4 * aux + 1e-3 * z, rtol=2e-5)
+    # aux_include_mtp=False: the trunk's MoE layers only.
+    with sharding.use_mesh(mesh1):
+        trunk_only = jax.jit(lambda p, b, batch: loss_fn(p, b, batch, graphdef, cfg, dataclasses.replace(
+            loss_cfg, aux_include_mtp=False), 0.3))(params, buffers, batch)[1]
+    trunk_aux = np_seq_aux(np.asarray(out.aux["router_scores"]), mask, cfg.num_experts_per_tok).sum() / mask.any(-1).sum()
+    np.testing.assert_allclose(float(trunk_only["aux_loss"]), trunk_aux, rtol=2e-5)
+    assert 1.0 < trunk_aux < aux - 0.5
     assert float(metrics["loss"]) == float(loss) and float(metrics["tokens"]) == mask.sum()
     assert metrics["expert_load"].shape == (cfg.num_moe_layers, cfg.n_routed_experts)
     # Each token picks k experts in each layer: the loads count the whole batch (mask-blind routing).

@@ -194,11 +194,14 @@ def test_layer_decay_scales_updates_by_depth():
 
 
 def test_clip_applies_to_the_global_norm():
+    """Hand value: Adam with b1 = b2 = 0 gives g / (|g| + eps); with eps = 1 the step size depends on |g|,
+    so it shows whether g was clipped first. 16 entries of 10: global norm 40 -> each 10 / 40 = 0.25."""
     params = {"embed_tokens": jnp.ones((4, 4))}
-    tx, _ = build_optimizer(_cfg(clip=1.0, adam_weight_decay=0.0, b1=0.0, b2=0.0, eps=0.0), params)
     big = {"embed_tokens": jnp.full((4, 4), 10.0)}
-    upd, _ = tx.update(big, tx.init(params), params)  # Adam with b1=b2=0: g/|g| = 1 whatever the clip
-    np.testing.assert_allclose(np.asarray(upd["embed_tokens"]), -1.0, atol=1e-6)
+    for clip, g in ((1.0, 0.25), (1e9, 10.0)):
+        tx, _ = build_optimizer(_cfg(clip=clip, adam_weight_decay=0.0, b1=0.0, b2=0.0, eps=1.0), params)
+        upd, _ = tx.update(big, tx.init(params), params)
+        np.testing.assert_allclose(np.asarray(upd["embed_tokens"]), -g / (g + 1.0), rtol=1e-6)
 
 
 # --- schedules --------------------------------------------------------------------------------

@@ -148,14 +148,15 @@ def test_sigkill_during_an_async_save_then_resume_is_exact(tmp_path, sample_corp
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path, sample_corpus, reference):
-    run_dir = str(tmp_path / "preempted")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])  # SIGUSR1: Slurm's `--signal=USR1@...`
+def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path, sample_corpus, reference, sig):
+    run_dir = str(tmp_path / f"preempted_{sig.name}")
     proc = _train_process(run_dir, sample_corpus)
     _wait_for(lambda: os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and
               max(_losses(run_dir), default=0) >= EVERY + 1, proc, f"step {EVERY + 1}")
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out = _finish(proc)  # exit code 0
-    assert "SIGTERM: saved step" in out
+    assert f"{sig.name}: saved step" in out
     stopped = max(_steps(run_dir))
     assert EVERY + 1 <= stopped < STEPS  # saved at the step it stopped on, not only at the last regular save
     _finish(_train_process(run_dir, sample_corpus))
@@ -165,7 +166,9 @@ def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path, sample_corpus, refe
 def _damage(step_dir: str, kind: str):
     model = os.path.join(step_dir, "model")
     files = sorted(os.path.join(r, f) for r, _, fs in os.walk(model) for f in fs if os.path.getsize(os.path.join(r, f)))
-    if kind == "missing_meta":
+    if kind == "uncommitted":  # no commit: Orbax renames a step into place only once it is complete
+        os.rename(step_dir, step_dir + ".orbax-checkpoint-tmp-1234")
+    elif kind == "missing_meta":
         os.remove(os.path.join(step_dir, "meta", "metadata"))
     elif kind == "truncated":
         biggest = max(files, key=os.path.getsize)
@@ -183,7 +186,7 @@ def _damage(step_dir: str, kind: str):
 @pytest.mark.slow
 # Orbax's restore of a damaged step leaves its read coroutines unawaited when it fails: expected here.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("kind", ["missing_meta", "truncated", "missing_file", "garbage_json"])
+@pytest.mark.parametrize("kind", ["uncommitted", "missing_meta", "truncated", "missing_file", "garbage_json"])
 def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, reference, kind, caplog):
     """Damage the newest of the reference run's checkpoints; restore_latest returns the one before."""
     from glm46_jax.build import build
@@ -199,8 +202,43 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, referenc
         restorer.close()
     gc.collect()  # the failed restore's abandoned coroutines are reported here (and filtered), not later
     assert restored is not None and restored[0] == steps[-2], (kind, steps, restored and restored[0])
-    if kind != "missing_meta":  # without meta/ the step is not listed at all
+    if kind == "uncommitted":
+        assert f"{steps[-1]}.orbax-checkpoint-tmp-1234 was never committed" in caplog.text
+    elif kind != "missing_meta":  # without meta/ the step is not listed at all
         assert str(steps[-1]) in caplog.text and "damaged or incomplete" in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_unrestorable_checkpoints_stop_the_run_instead_of_starting_over(tmp_path, reference):
+    """Every step damaged: an error listing each, and nothing deleted. Saved by 2 processes, resumed by 1:
+    the process-count error, not a fall-back to older steps (they would fail the same way)."""
+    from glm46_jax.build import build
+
+    run_dir = str(tmp_path / "all_damaged")
+    shutil.copytree(reference, run_dir)
+    steps = _steps(run_dir)
+    for step in steps:
+        _damage(os.path.join(run_dir, "checkpoints", str(step)), "truncated")
+    run = build(_config(run_dir, "unused"), jax.devices()[:1])
+    with sharding.use_mesh(run.mesh):
+        restorer = checkpoint.Checkpointer(run_dir, every=EVERY)
+        with pytest.raises(RuntimeError, match="no checkpoint in .* restores") as err:
+            restorer.restore_latest(run.state)
+        assert all(os.path.join(run_dir, "checkpoints", str(s)) in str(err.value) for s in steps)
+        assert _steps(run_dir) == steps
+
+        two_procs = str(tmp_path / "two_processes")
+        shutil.copytree(reference, two_procs)
+        data_file = os.path.join(two_procs, "checkpoints", str(steps[-1]), "data", "metadata")
+        with open(data_file) as f:
+            saved = json.load(f)
+        with open(data_file, "w") as f:
+            json.dump({"processes": saved["processes"] * 2}, f)
+        restorer = checkpoint.Checkpointer(two_procs, every=EVERY)
+        with pytest.raises(checkpoint.IncompatibleCheckpoint, match="saved by 2 processes, restoring with 1"):
+            restorer.restore_latest(run.state)
+    gc.collect()
 
 
 @pytest.mark.slow
@@ -242,3 +280,59 @@ def test_restore_onto_other_meshes_and_continue(tmp_path, sample_corpus):
     _, summary = train(config, jax.devices()[:8])  # resume=auto: steps 4-5 on the new mesh
     assert summary["start_step"] == EVERY + 1 and summary["steps"] == EVERY + 2
     assert np.isfinite(summary["end_loss"])
+
+
+@pytest.mark.parametrize("best", [False, True])
+def test_keeps_the_last_k_and_optionally_the_best(tmp_path, best):
+    """keep=2: the two newest steps stay, whatever their eval loss; keep_best adds the lowest eval/ce
+    (step 3). Steps saved without an eval have no metric and count only as recent."""
+    import optax
+    from flax import nnx
+
+    from glm46_jax.train_step import TrainState
+
+    params = nnx.State({"w": nnx.Param(jax.numpy.ones(3))})
+    state = TrainState(step=jax.numpy.int32(0), params=params, buffers=nnx.State({}),
+                       opt_state=optax.sgd(1.0).init(params))
+    ckpt = checkpoint.Checkpointer(str(tmp_path), every=1, keep=2, best_metric="eval/ce" if best else None)
+    kept = []
+    for step, ce in [(1, 3.0), (2, None), (3, 1.0), (4, 2.0), (5, None), (6, 2.5)]:
+        ckpt.save(step, state, {"step": step}, {"tokens_seen": 0}, None if ce is None else {"eval/ce": ce})
+        ckpt.wait()
+        kept.append(_steps(str(tmp_path)))
+    ckpt.close()
+    if best:
+        assert kept == [[1], [1, 2], [2, 3], [3, 4], [3, 4, 5], [3, 5, 6]]
+    else:
+        assert kept == [[1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6]]
+
+
+@pytest.mark.slow
+def test_init_from_starts_a_new_run_from_the_weights_and_resume_never_unpickles(tmp_path, sample_corpus, reference):
+    """checkpoint.init_from = another run: its weights (not its optimizer or step) start a new run. With lr 0
+    and balancing off the step leaves them as they were, so the new run's checkpoint holds them exactly.
+    Starting and resuming read only Orbax arrays and JSON: any unpickling fails the test."""
+    import pickle
+
+    from glm46_jax.train import train
+
+    def refuse(*_, **__):
+        raise AssertionError("a checkpoint load unpickled something")
+
+    run_dir = str(tmp_path / "init_from")
+    config = _config(run_dir, sample_corpus, steps=1)
+    config.checkpoint.init_from = reference
+    config.optim.lr = config.optim.end_lr = 0.0
+    config.balance.rate = 0.0
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("load", "loads", "Unpickler"):
+            mp.setattr(pickle, name, refuse)
+        _, summary = train(config, jax.devices()[:1])
+        assert summary["start_step"] == 1 and summary["steps"] == 1
+        config.train.steps = 2  # resume=auto: continues from step 1 of this run, not from the reference
+        _, resumed = train(config, jax.devices()[:1])
+        assert resumed["start_step"] == 2 and resumed["steps"] == 2
+    want, got = _weights(reference, STEPS), _weights(run_dir, 2)
+    assert got.keys() == want.keys()
+    for path, x in want.items():
+        np.testing.assert_array_equal(got[path], x, err_msg=path)

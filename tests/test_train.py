@@ -76,7 +76,9 @@ def test_run_dir_has_config_metrics_and_checkpoint(run):
     assert [by_step[s]["train/seq_len"] for s in (30, 40)] == [64, 128]
     assert [by_step[s]["train/rope_theta"] for s in (30, 40)] == [1e4, 1e6]
     for key in ("train/aux_loss", "train/ppl", "train/update_rms", "train/load_cv", "train/bias_abs_max",
-                "train/tokens_per_s", "train/mfu", "train/dropped_frac", "train/mtp_load_cv"):
+                "train/tokens_per_s", "train/mfu", "train/dropped_frac", "train/mtp_load_cv", "train/mtp_ce",
+                "train/load_max_min", "train/load_cv/moe_layer_00", "train/load_cv/moe_layer_01",
+                "train/load_max_min/moe_layer_01", "train/bias_abs_mean", "train/bias_std", "train/grad_norm", "train/lr"):
         assert key in by_step[40] and np.isfinite(by_step[40][key]), key
     assert by_step[40]["train/skipped"] == 0 and by_step[40]["train/nonfinite_total"] == 0
     assert by_step[40]["train/tokens_seen"] == 30 * 512 + 10 * 1024

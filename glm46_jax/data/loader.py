@@ -256,7 +256,9 @@ def training_batches(cfg: LoaderConfig, weights: Mapping[str, float], seq_len: i
     if pack not in PACK_MODES:
         raise ValueError(f"pack mode {pack!r}: must be one of {PACK_MODES}")
     rows = local_rows(global_batch, cfg.processes[1])
-    pad_id = int(read_metadata(cfg.root)["tokenizer"]["pad_id"])
+    tok_meta = read_metadata(cfg.root)["tokenizer"]
+    # Corpora written before data_prep fell back to EOS record `pad_id: null` for a tokenizer without a pad token.
+    pad_id = int(tok_meta["eos_id"] if tok_meta["pad_id"] is None else tok_meta["pad_id"])
     packed = pack_documents(mixed_documents(cfg, weights), seq_len + 1, pack, pad_id, cfg.pack_bins, cfg.seed)
     ds = packed.map(_ShiftRow(pad_id)).batch(rows, drop_remainder=True)
     if cfg.num_workers:

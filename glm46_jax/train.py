@@ -7,7 +7,8 @@ sequence length, batch, mixture and RoPE theta, and the step is compiled once pe
 Writes to `run_dir`: config.json (the resolved config), tokenizer.json (the corpus's),
 metrics.jsonl and tensorboard/ (one record per log or eval point, `metrics.MetricWriter`) and
 checkpoints/<step>/ (`checkpoint.Checkpointer`: weights, optimizer, data-iterator state, meta),
-from which a restarted run resumes.
+from which a restarted run resumes, and at the end status.json: {"state": "complete" | "stopped" (by
+SIGTERM/SIGUSR1, saved and resumable), "step", "total_steps", "reason"}.
 
 Multi-process (`distributed.initialize`, called first by `main`: Slurm's srun, or
 `launch/local_multiprocess.sh N`): every process runs this same program on its own devices and
@@ -55,6 +56,14 @@ def _eval_set(run: Run, phase: Phase, batches: int) -> list[dict[str, jax.Array]
     cfg = dataclasses.replace(run.loader_cfg, split="heldout")
     it = iter(loader.training_batches(cfg, phase.mixture, phase.seq_len, phase.global_batch, phase.pack))
     return [run.device_batch(next(it), train=False) for _ in range(batches)]
+
+
+def _write_status(run_dir: str, status: dict[str, Any]) -> None:
+    """`run_dir/status.json`, replaced atomically: a reader never sees half of it."""
+    tmp = os.path.join(run_dir, f".status.json.{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(status, f)
+    os.replace(tmp, os.path.join(run_dir, "status.json"))
 
 
 class _Preemption:
@@ -313,6 +322,9 @@ def train(config: ml_collections.ConfigDict,
                 break
     data.close()
     ckpt.close()  # waits for the last write
+    if is_main:  # for schedulers: launch/slurm_pretrain.sbatch requeues a run that stopped early
+        _write_status(run_dir, {"state": "stopped" if stop.requested else "complete", "step": step,
+                                "total_steps": run.total_steps, "reason": stop.requested})
 
     # --- Summary ----------------------------------------------------------------------------
     ckpt_dir = os.path.join(ckpt.directory, str(step))

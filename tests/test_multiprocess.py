@@ -183,6 +183,7 @@ def runs(tmp_path_factory, sample_corpus):
 
     out["resumed_log"] = _finish(_launch(2, two, sample_corpus, devices=4, logs="logs_restart"), two, 2,
                                  "logs_restart")
+    out["resumed_log_1"] = _log(two, 1, "logs_restart")
     return out
 
 
@@ -210,6 +211,9 @@ def test_two_processes_train_like_one_and_resume_after_the_kill(runs):
     before = runs["steps_before_restart"]
     assert before and max(before) < STEPS
     assert f"steps {max(before) + 1}-{STEPS} of {STEPS}" in runs["resumed_log"]
+    # Only process 0 prints the progress bar and the summary (and writes metrics: one record per step below).
+    assert "train [" in runs["resumed_log"] and "start loss" in runs["resumed_log"]
+    assert "train [" not in runs["resumed_log_1"] and "start loss" not in runs["resumed_log_1"]
     one, two = _losses(runs["one"]), _losses(runs["two"])
     assert sorted(one) == sorted(two) == list(range(1, STEPS + 1))
     # Same batches, same mesh shape: only the collectives' summation order differs between the runs.
@@ -281,7 +285,17 @@ def test_slurm_batch_script_runs_train_under_srun(tmp_path):
                             f"--config.run_dir={tmp_path / 'run'}", "--config.data.root=/data/corpus",
                             "--config.train.steps=5"]
     assert (tmp_path / "run").is_dir()
+    assert not (tmp_path / "scontrol.log").exists()  # the run did not say it stopped early: no requeue
     env["GPUS_PER_TASK"] = "0"  # one task per node: no GPU binding
     out = subprocess.run(["bash", os.path.join(ROOT, "launch", "slurm_pretrain.sbatch")], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--gpus-per-task=1" not in out.stdout, out.stderr
+
+    # Stopped by the time-limit SIGTERM (status.json says so, as train writes it): the job requeues itself.
+    (bin_dir / "srun").write_text('#!/bin/sh\nprintf \'{"state": "stopped", "step": 40}\' > "$RUN_DIR/status.json"\n')
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    out = subprocess.run(["bash", os.path.join(ROOT, "launch", "slurm_pretrain.sbatch")], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "requeueing job 7" in out.stdout, out.stderr
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 7\n"

@@ -159,6 +159,8 @@ def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path, sample_corpus, refe
     assert f"{sig.name}: saved step" in out
     stopped = max(_steps(run_dir))
     assert EVERY + 1 <= stopped < STEPS  # saved at the step it stopped on, not only at the last regular save
+    with open(os.path.join(run_dir, "status.json")) as f:  # what the Slurm script's requeue reads
+        assert json.load(f) == {"state": "stopped", "step": stopped, "total_steps": STEPS, "reason": sig.name}
     _finish(_train_process(run_dir, sample_corpus))
     _assert_same_as_reference(run_dir, reference)
 

@@ -85,6 +85,8 @@ def test_run_dir_has_config_metrics_and_checkpoint(run):
     assert os.listdir(os.path.join(config.run_dir, "tensorboard"))  # event file(s) written
     assert max(lrs) <= config.optim.lr + 1e-9 and lrs[-1] < max(lrs)  # cosine decay after warmup
     assert summary["checkpoint"] == os.path.join(config.run_dir, "checkpoints", str(STEPS))
+    with open(os.path.join(config.run_dir, "status.json")) as f:
+        assert json.load(f) == {"state": "complete", "step": STEPS, "total_steps": STEPS, "reason": None}
 
 
 def test_checkpoint_round_trip(run):

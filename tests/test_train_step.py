@@ -136,12 +136,16 @@ def test_sharded_step_matches_one_device(mesh1):
         np.testing.assert_allclose(results["mesh"][0][k], results["one"][0][k], rtol=1e-5, err_msg=k)
     # Adam divides each element by its own gradient RMS: where that is ~1e-7 the reduction-order
     # noise of a sharded sum (~1e-7 relative) becomes a visible fraction of one lr-sized step.
-    # Measured: 1 of 32768 lm_head elements off by 1.9e-5 (lr 1e-2); everything else < 1e-5.
+    # Measured: a handful of elements off by 1-2e-5 (1 of 32768 in lm_head; on an AVX-512 host also 1 of
+    # the MTP layer's 128 q_bias entries) at lr 1e-2; everything else < 1e-5. So: every element within 1e-4,
+    # and fewer than 0.1% of all elements beyond 1e-5.
+    off = total = 0
     for i in (1, 2):
         for path, want in results["one"][i].items():
             got = results["mesh"][i][path]
             np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=path)
-            assert np.mean(np.abs(got - want) > 1e-5) < 1e-3, path
+            off, total = off + int(np.sum(np.abs(got - want) > 1e-5)), total + want.size
+    assert off < 1e-3 * total, (off, total)
 
 
 def test_nonfinite_step_is_skipped_and_counted(mesh1):

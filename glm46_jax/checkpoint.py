@@ -13,6 +13,11 @@ complete, so a half-written step never looks like a step):
     meta/        JSON: model config, resolved run config, tokens seen, tokenizer reference
 `save_params` (final weights, `convert hf-to-ckpt`) writes only model/ and meta/.
 
+Random state: the train step draws no random numbers (GLM trains without dropout and routes
+deterministically), and the weights' init key is only used at step 0. The one random stream of a run is
+the data order, a seeded Grain pipeline: its position is data/ and its seeds are in meta/'s config, so
+the checkpoint holds all the randomness a resumed run needs (bit-identical resume is tested).
+
 Nothing on any load path unpickles: Orbax arrays (OCDBT/zarr) and JSON only.
 """
 

@@ -173,7 +173,12 @@ def test_nonfinite_step_is_skipped_and_counted(mesh1):
         for path, want in bias0.items():
             np.testing.assert_array_equal(_leaves(state.buffers)[path], want, err_msg=path)
         state = with_embedding(state, table)
+        before = state
         state, m = step(state, batch, controls(0.3, 1e-2))
+    # The state is donated: the step reuses its buffers, so the old params, biases and moments are gone
+    # (scalar bookkeeping such as apply_if_finite's `last_finite` may be passed through instead).
+    arrays = [x for x in jax.tree.leaves((before.params, before.opt_state, before.buffers)) if x.ndim]
+    assert len(arrays) > 50 and all(x.is_deleted() for x in arrays)
     assert (int(m["skipped"]), int(m["nonfinite_in_a_row"]), int(m["nonfinite_total"])) == (0, 0, 2)
     assert int(state.step) == 3 and float(m["lr"]) == pytest.approx(OPTIM.lr)  # lr of the first applied update
 

@@ -41,7 +41,6 @@ from glm46_jax.config import RUNTIME_FIELDS, ModelConfig, model_config_from_dict
 from glm46_jax.model import abstract_model
 
 CHECKPOINTS = "checkpoints"
-_UNCOMMITTED = ".orbax-checkpoint-tmp"  # Orbax writes a step under this suffix and renames it when complete
 ITEMS = ("model", "optimizer", "data", "meta")
 # How the model runs may change at load time; what it is (param_dtype included) comes from the weights.
 _OVERRIDABLE = tuple(f for f in RUNTIME_FIELDS if f != "param_dtype")
@@ -140,11 +139,10 @@ class Checkpointer:
         warning naming it, and the one before is tried. `shared_data`: every process read the same
         data (`data.process_split="rows"`), so the data state restores on any number of processes.
         """
-        if os.path.isdir(self.directory):  # a save cut off mid-write: never listed as a step, so say so here
-            for name in sorted(os.listdir(self.directory)):
-                if _UNCOMMITTED in name:
-                    logging.warning("checkpoint %s was never committed (a save cut off mid-write); ignoring it",
-                                    os.path.join(self.directory, name))
+        # A save cut off mid-write is never listed as a step, so say so here.
+        for name in sorted(ocp.path.step.tmp_checkpoints(self.directory)):
+            logging.warning("checkpoint %s was never committed (a save cut off mid-write); ignoring it",
+                            os.path.join(self.directory, name))
         failures = []
         for step in reversed(self.steps()):
             try:

@@ -86,6 +86,9 @@ def read_metadata(root: str) -> dict[str, Any]:
     missing = [k for k in ("vocab_size", "eos_id", "pad_id") if k not in meta.get("tokenizer", {})]
     if missing:
         raise ValueError(f"{path}: tokenizer.{missing} missing; data_prep must record the tokenizer's ids")
+    tok = meta["tokenizer"]
+    if tok["pad_id"] is None:  # corpora written before data_prep fell back to EOS for a tokenizer without a pad
+        tok["pad_id"] = tok["eos_id"]
     return meta
 
 
@@ -256,9 +259,7 @@ def training_batches(cfg: LoaderConfig, weights: Mapping[str, float], seq_len: i
     if pack not in PACK_MODES:
         raise ValueError(f"pack mode {pack!r}: must be one of {PACK_MODES}")
     rows = local_rows(global_batch, cfg.processes[1])
-    tok_meta = read_metadata(cfg.root)["tokenizer"]
-    # Corpora written before data_prep fell back to EOS record `pad_id: null` for a tokenizer without a pad token.
-    pad_id = int(tok_meta["eos_id"] if tok_meta["pad_id"] is None else tok_meta["pad_id"])
+    pad_id = int(read_metadata(cfg.root)["tokenizer"]["pad_id"])
     packed = pack_documents(mixed_documents(cfg, weights), seq_len + 1, pack, pad_id, cfg.pack_bins, cfg.seed)
     ds = packed.map(_ShiftRow(pad_id)).batch(rows, drop_remainder=True)
     if cfg.num_workers:

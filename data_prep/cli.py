@@ -20,11 +20,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from data_prep import atomic, documents, pipeline, report, sample
+from data_prep import documents, pipeline, report, sample
 from data_prep.inputs import ReaderOptions, parse_input
 from data_prep.minhash import MinHashConfig
 from data_prep.quality import parse_rule_override
 from data_prep.tokenizer import EOS_TOKEN
+from glm46_jax import atomic
 
 Parser = argparse.ArgumentParser
 

@@ -14,7 +14,7 @@ import json
 import os
 from typing import Any
 
-from data_prep import atomic
+from glm46_jax import atomic
 
 STATS_FILE = "stats.json"
 

@@ -13,11 +13,12 @@ import dataclasses
 import os
 from typing import Any
 
-from data_prep import atomic, dedup, minhash, parallel, quality, report, shards
+from data_prep import dedup, minhash, parallel, quality, report, shards
 from data_prep import clean as clean_mod
 from data_prep.documents import Document, by_domain
 from data_prep.inputs import ReaderOptions, expand_inputs, read_task
 from data_prep.tokenizer import EOS_TOKEN, TokenizerInfo, load, trained
+from glm46_jax import atomic
 
 Stats = dict[str, Any]
 METADATA_VERSION = 1

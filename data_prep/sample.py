@@ -21,7 +21,7 @@ import os
 import sysconfig
 from typing import Any
 
-from data_prep import atomic
+from glm46_jax import atomic
 
 SOURCE_DIR = "_source"  # '_' cannot start a domain name, so this never collides with <out>/<domain>
 MIN_DOCSTRING_CHARS = 100

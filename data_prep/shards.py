@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from data_prep import atomic
+from glm46_jax import atomic
 from data_prep.documents import Document, text_digest
 from data_prep.tokenizer import TokenizerInfo, encode_documents, encoder
 

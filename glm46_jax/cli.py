@@ -1,0 +1,66 @@
+"""What every command-line entry point shares: how a user's mistake is reported, and size parsing.
+
+    raise InputError("train.eval_every=-1: must be >= 0 (0 = no periodic eval)")   # anywhere below a CLI
+
+    if __name__ == "__main__":
+        cli.main_guard(main)          # InputError & co -> "error: <message>" on stderr, exit 2
+
+A mistake in what the user gave (a config value, a mesh, a path, a corpus) is an `InputError`:
+one line naming the field or file and what to do, exit code 2, no traceback. Anything else is an
+internal error and keeps its traceback. `InputError` subclasses ValueError, so callers that catch
+ValueError (and tests written against it) keep working.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+class InputError(ValueError):
+    """Something the user gave is wrong; the message names it and says what to do."""
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The exception types a CLI reports as one line: ours, a missing file, a bad flag or config file."""
+    from absl import flags  # imported late: data_prep's CLI does not otherwise need absl
+
+    return InputError, FileNotFoundError, NotADirectoryError, IsADirectoryError, flags.Error
+
+
+def main_guard(main: Callable[..., Any], *args: Any) -> None:
+    """Run `main(*args)`; a user error becomes `error: ...` on stderr and exit code 2."""
+    try:
+        result = main(*args)
+    except user_errors() as err:
+        print(f"error: {_one_line(err)}", file=sys.stderr)
+        sys.exit(2)
+    if isinstance(result, int) and not isinstance(result, bool):
+        sys.exit(result)
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err)
+    if isinstance(err, FileNotFoundError) and err.filename and err.filename not in text:
+        text = f"{text}: {err.filename}"
+    return text.strip() or type(err).__name__
+
+
+# GB = 10^9 (as disks and the Hugging Face Hub count), GiB = 2^30.
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_bytes(text: str | int | float, what: str = "size") -> int:
+    """'80GiB', '80 GB', '80e9', '85899345920', 5e9 -> bytes. `what` names the flag in the error."""
+    m = _SIZE.fullmatch(str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InputError(f"{what}={text!r}: expected a number of bytes (e.g. 80e9) with an optional unit "
+                         "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 80GiB")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise InputError(f"{what}={text!r}: must be > 0")
+    return int(value)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from glm46_jax.optim import path_names
+from glm46_jax.model.paths import path_names
 
 
 @dataclasses.dataclass(frozen=True)

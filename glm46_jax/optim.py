@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,23 +35,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-LAYER_STACKS = ("dense_layers", "moe_layers")  # leaves under these carry a leading, unsharded "layers" axis
+from glm46_jax.model.paths import LAYER_STACKS, path_names
 
 
 # --- the optimizer split (the plan tool counts optimizer state with it too) -----------------------
-
-def _key_name(key: Any) -> str:
-    for attr in ("key", "name", "idx"):  # DictKey, GetAttrKey, SequenceKey
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def path_names(path: str | Sequence[Any]) -> list[str]:
-    if isinstance(path, str):
-        return re.findall(r"\w+", path)
-    return [n for n in map(_key_name, path) if n != "value"]  # nnx.State leaves end in `.value`
-
 
 def optimizer_group(path: str | Sequence[Any], ndim: int | None = None, *, router: str = "adam") -> str:
     """"muon" or "adam" for the parameter at `path` (a jax key path or "moe_layers/mlp/router").

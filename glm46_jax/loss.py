@@ -65,10 +65,16 @@ def mtp_labels(targets: Int[Array, "*b s"], mask: Array) -> tuple[Int[Array, "*b
 
     The batch carries targets = inputs shifted by one, so only the last row has no MTP target
     (from the inputs alone it would be the last two). `roll` wraps, so that row is masked out.
+
+    Row t is valid only where mask[t] and mask[t + 1] both are: the MTP layer reads input t and
+    input t + 1 to predict token t + 2, and all three must be real tokens of one document. mask[t + 1]
+    alone would train the last token of a packed document to predict the next document's second
+    token. No separate segment_ids check is needed: the loader's loss_mask is 1 only where a target
+    is in its input's segment, so mask[t] & mask[t + 1] already means seg[t] == seg[t+1] == seg[t+2].
     """
     s = targets.shape[-1]
     has_target = jnp.arange(s) < s - 1  # leading axes (micro-batches) broadcast
-    return jnp.roll(targets, -1, axis=-1), jnp.roll(mask, -1, axis=-1) & has_target
+    return jnp.roll(targets, -1, axis=-1), mask & jnp.roll(mask, -1, axis=-1) & has_target
 
 
 def sequence_aux_loss(scores: Float[Array, "*l b s e"], mask: Array, k: int) -> Float[Array, "b"]:

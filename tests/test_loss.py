@@ -11,7 +11,7 @@ import pytest
 from glm46_jax import sharding
 from glm46_jax.config import get_preset
 from glm46_jax.balancing import BalanceConfig, rate_at
-from glm46_jax.loss import LossConfig, cross_entropy, loss_fn, mtp_labels, mtp_weight_at, sequence_aux_loss, token_nll
+from glm46_jax.loss import LossConfig, batch_norms, cross_entropy, loss_fn, mtp_labels, mtp_weight_at, sequence_aux_loss, token_nll
 from glm46_jax.model import apply, init_model
 
 
@@ -92,7 +92,50 @@ def test_mtp_labels_alignment():
         np.testing.assert_array_equal(labels[:, t], x[:, t + 2])
     assert not lmask[:, s - 1].any()  # no token s+1 exists
     assert not lmask[1, 2] and lmask[0, 2]  # x[1, 4] masked as a main target -> masked as MTP target too
-    assert lmask.sum() == 2 * (s - 1) - 1
+    assert not lmask[1, 3] and lmask[0, 3]  # nor may row 3 read the masked x[1, 4] as its next input
+    assert lmask.sum() == 2 * (s - 1) - 2
+
+
+# Two packed rows of L + 1 = 9 tokens, as the loader lays them out (segment 0 = padding):
+# row 0 is two documents back to back, row 1 two documents then padding.
+PACKED_SEGMENTS = np.array([[1, 1, 1, 1, 2, 2, 2, 2, 2],
+                            [1, 1, 1, 2, 2, 2, 0, 0, 0]], np.int32)
+PACKED_LOSS_MASK = np.array([[1, 1, 1, 0, 1, 1, 1, 1],  # no target across the 1 -> 2 boundary
+                             [1, 1, 0, 1, 1, 0, 0, 0]], bool)
+# MTP row t (input t, next input t + 1) predicts token t + 2: all three must lie in one document.
+# Row 0, t = 3 is the last token of document 1 and t = 2 in row 1 likewise: their MTP targets are
+# the second token of the next document, predicted from the previous document's context.
+PACKED_MTP_MASK = np.array([[1, 1, 0, 0, 1, 1, 1, 0],
+                            [1, 0, 0, 1, 0, 0, 0, 0]], bool)
+
+
+def _packed_batch(seed=0):
+    x = np.random.default_rng(seed).integers(2, 258, PACKED_SEGMENTS.shape).astype(np.int32)
+    x = np.where(PACKED_SEGMENTS == 0, 0, x)
+    positions = np.array([[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 0, 1, 2, 0, 0]], np.int32)
+    batch = {"inputs": x[:, :-1], "targets": x[:, 1:], "segment_ids": PACKED_SEGMENTS[:, :-1],
+             "positions": positions, "loss_mask": PACKED_LOSS_MASK.astype(np.int32)}
+    return x, batch
+
+
+def test_packed_batch_fixture_is_what_the_loader_builds():
+    from glm46_jax.data.loader import shift_row
+
+    x, batch = _packed_batch()
+    pos_full = np.array([[0, 1, 2, 3, 0, 1, 2, 3, 4], [0, 1, 2, 0, 1, 2, 0, 0, 0]], np.int32)
+    for row in range(2):
+        got = shift_row({"tokens": x[row], "tokens_segment_ids": PACKED_SEGMENTS[row],
+                         "tokens_positions": pos_full[row]}, pad_id=0)
+        for key in batch:
+            np.testing.assert_array_equal(got[key], batch[key][row], err_msg=key)
+
+
+def test_mtp_labels_stop_at_document_boundaries():
+    x, batch = _packed_batch()
+    labels, lmask = mtp_labels(jnp.asarray(batch["targets"]), jnp.asarray(batch["loss_mask"]).astype(bool))
+    np.testing.assert_array_equal(np.asarray(lmask), PACKED_MTP_MASK)
+    np.testing.assert_array_equal(np.asarray(labels)[:, :-1], x[:, 2:])
+    assert float(batch_norms({k: jnp.asarray(v) for k, v in batch.items()})["mtp_tokens"]) == 7.0
 
 
 @pytest.fixture(scope="module")
@@ -156,12 +199,13 @@ def test_loss_fn_matches_hand_computed_terms(mesh1, tiny_case):
     mask = np.asarray(batch["loss_mask"])
     s = x.shape[1] - 1
     ce = np_masked_mean(np_nll(logits, x[:, 1:]), mask)
-    # Written out by position: MTP row t scores x[t + 2]; valid for t + 2 <= s, masked like that target.
+    # Written out by position: MTP row t scores x[t + 2]; valid for t + 2 <= s where both the target
+    # of t and that of t + 1 are.
     num = den = 0.0
     mtp_mask = np.zeros_like(mask)
     for b in range(x.shape[0]):
         for t in range(s - 1):
-            if mask[b, t + 1]:
+            if mask[b, t] and mask[b, t + 1]:
                 num += np_nll(mtp_logits[b, t], x[b, t + 2])
                 den += 1
                 mtp_mask[b, t] = True
@@ -188,6 +232,21 @@ def test_loss_fn_matches_hand_computed_terms(mesh1, tiny_case):
     assert metrics["expert_load"].shape == (cfg.num_moe_layers, cfg.n_routed_experts)
     # Each token picks k experts in each layer: the loads count the whole batch (mask-blind routing).
     assert (np.asarray(metrics["expert_load"]).sum(-1) == x[:, :-1].size * cfg.num_experts_per_tok).all()
+
+
+def test_mtp_loss_on_a_packed_batch_matches_float64(mesh1, tiny_case):
+    """mtp_ce over the hand-written PACKED_MTP_MASK, from the model's MTP logits in float64."""
+    cfg, graphdef, params, buffers, _, _ = tiny_case
+    x, batch = _packed_batch(seed=1)
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    with sharding.use_mesh(mesh1):
+        out = jax.jit(lambda p, b, batch: apply(graphdef, p, b, batch["inputs"], batch["positions"],
+                                                batch["segment_ids"]))(params, buffers, batch)
+        _, metrics = jax.jit(lambda p, b, batch: loss_fn(p, b, batch, graphdef, cfg, LossConfig(), 0.3))(
+            params, buffers, batch)
+    nll = np_nll(np.asarray(out.mtp_logits, np.float64)[:, :-1], x[:, 2:])  # row t scores token t + 2
+    expected = (nll * PACKED_MTP_MASK[:, :-1]).sum() / PACKED_MTP_MASK.sum()
+    np.testing.assert_allclose(float(metrics["mtp_ce"]), expected, rtol=2e-5)
 
 
 def test_aux_loss_gradient_reaches_only_the_router(mesh1, tiny_case):

@@ -26,8 +26,17 @@ from data_prep.minhash import MinHashConfig
 from data_prep.quality import parse_rule_override
 from data_prep.tokenizer import EOS_TOKEN
 from glm46_jax import atomic
+from glm46_jax.cli import InputError
 
-Parser = argparse.ArgumentParser
+# A mistake in what the user gave; anything else is a bug and keeps its traceback. Path errors count:
+# the user named the path.
+USER_ERRORS = (ValueError, ImportError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # argparse prints the whole usage block first; one line with the message is what gets read.
+        self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
 
 
 # --- argument groups ----------------------------------------------------------------------------------
@@ -129,11 +138,22 @@ def build_parser() -> Parser:
 
 # --- configs from arguments ---------------------------------------------------------------------------
 
+def _rules_file(path: str) -> dict[str, dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        try:
+            rules = json.load(f)
+        except json.JSONDecodeError as err:
+            raise InputError(f"--rules {path}: not valid JSON: {err}") from err
+    shape = '{"DOMAIN": {"RULE": VALUE, ...}, ...}'
+    if not isinstance(rules, dict):
+        raise InputError(f"--rules {path}: expected an object {shape}, got a JSON {type(rules).__name__}")
+    if bad := sorted(d for d, r in rules.items() if not isinstance(r, dict)):
+        raise InputError(f"--rules {path}: domain(s) {bad} map to a non-object; expected {shape}")
+    return rules
+
+
 def _rule_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    overrides: dict[str, dict[str, Any]] = {}
-    if args.rules:
-        with open(args.rules, encoding="utf-8") as f:
-            overrides = {d: dict(r) for d, r in json.load(f).items()}
+    overrides = _rules_file(args.rules) if args.rules else {}
     for arg in args.rule:
         domain, rule, value = parse_rule_override(arg)
         overrides.setdefault(domain, {})[rule] = value
@@ -169,6 +189,8 @@ def _print_dataset(meta: dict[str, Any], run_counts: dict[str, int], out: str, s
     print("\n".join(report.summary_lines(meta)))
     print(f"wrote {run_counts['shards_written']} shard(s), skipped {run_counts['shards_skipped']} already "
           f"complete -> {os.path.join(out, 'metadata.json')} ({seconds:.1f} s)")
+    for line in report.warning_lines(meta):
+        print(line, file=sys.stderr)
 
 
 def _print_stage(section: str, stats: dict[str, Any]) -> None:
@@ -177,8 +199,26 @@ def _print_stage(section: str, stats: dict[str, Any]) -> None:
         print("\n".join(report.malformed_lines(stats["malformed"])))
 
 
+def check_out(out: str, is_file: bool = False) -> None:
+    """Fails before the work, not at the first write after it: `out` must be (or be creatable as) a
+    writable directory, or for a file, sit in one. Nothing is created here."""
+    path = os.path.abspath(out)
+    if is_file:
+        if os.path.isdir(path):
+            raise InputError(f"--out {out}: is a directory; name the file to write")
+        path = os.path.dirname(path)
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise InputError(f"--out {out}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"--out {out}: {existing} is not writable")
+
+
 def run(args: argparse.Namespace) -> None:
     start = time.time()
+    check_out(args.out, is_file=args.command == "train-tokenizer")
     if args.command in ("pipeline", "sample"):
         if args.command == "sample":
             inputs, found = sample.build_sources(args.out, args.max_docs_per_domain)
@@ -194,6 +234,8 @@ def run(args: argparse.Namespace) -> None:
         return _print_stage("ingest", stats)
 
     docs, domains, stats = documents.load_docset(args.docset)
+    if args.command in ("train-tokenizer", "write"):
+        pipeline.require_documents(docs, domains, stats)
     if args.command == "train-tokenizer":
         tok = pipeline.build_tokenizer(docs, pipeline.TokenizerOptions(None, args.vocab_size), args.heldout_fraction)
         atomic.write_text(args.out, tok.json)
@@ -216,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         run(args)
-    except (FileNotFoundError, ImportError, ValueError) as err:  # a bad request: a message, not a traceback
-        print(f"error: {err}", file=sys.stderr)
+    except USER_ERRORS as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        print(f"error: {' | '.join(lines) or type(err).__name__}", file=sys.stderr)
         return 2
     return 0

@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from glm46_jax import atomic
+from glm46_jax.cli import InputError
 
 STATS_FILE = "stats.json"
 
@@ -72,12 +73,31 @@ def load_docset(path: str) -> tuple[list[Document], list[str], dict[str, Any]]:
     stats_path = os.path.join(path, STATS_FILE)
     if not os.path.isfile(stats_path):
         raise FileNotFoundError(f"{path} is not a document set (no {STATS_FILE}); create one with `ingest`")
-    with open(stats_path, encoding="utf-8") as f:
-        stats = json.load(f)
-    domains = stats.pop("domains")
+    remake = "re-create the set with `ingest` and the stages after it"
+    try:
+        with open(stats_path, encoding="utf-8") as f:
+            stats = json.load(f)
+        domains = stats.pop("domains")
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise InputError(f"{stats_path}: not the stats of a document set ({type(err).__name__}: {err}); "
+                         f"{remake}") from err
     docs: list[Document] = []
     for domain in domains:
-        with open(os.path.join(path, f"{domain}.jsonl"), encoding="utf-8") as f:
-            for row in map(json.loads, f):
-                docs.append(Document(domain, row["source"], row["text"]))
+        domain_path = os.path.join(path, f"{domain}.jsonl")
+        with open(domain_path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                docs.append(_docset_row(line, domain, f"{domain_path}:{lineno}", remake))
     return docs, domains, stats
+
+
+def _docset_row(line: str, domain: str, where: str, remake: str) -> Document:
+    """Unlike raw inputs, a document set is our own output: a bad line means the set was edited or
+    damaged, and skipping it would silently change every later stage, so it stops the command."""
+    try:
+        row = json.loads(line)
+        if isinstance(row, dict) and isinstance(row.get("text"), str) and isinstance(row.get("source"), str):
+            return Document(domain, row["source"], row["text"])
+        problem = 'expected {"text": str, "source": str}'
+    except json.JSONDecodeError as err:
+        problem = f"invalid JSON: {err.msg} at column {err.colno}"
+    raise InputError(f"{where}: {problem}; {remake}")

@@ -26,6 +26,8 @@ import zlib
 
 import numpy as np
 
+from glm46_jax.cli import InputError
+
 EMPTY = np.iinfo(np.uint64).max  # signature entry of a document with no shingles (never a real minimum)
 _WORD = re.compile(r"\w+")
 _POLY = np.uint64(0x100000001B3)  # FNV-64 prime: odd, so the window polynomial mixes every position
@@ -44,7 +46,12 @@ class MinHashConfig:
 
     def __post_init__(self):
         if self.shingle not in ("word", "char"):
-            raise ValueError(f"shingle must be 'word' or 'char', got {self.shingle!r}")
+            raise InputError(f"--shingle must be 'word' or 'char', got {self.shingle!r}")
+        # ngram 0 would hash every document to the same single shingle: all of them "near-duplicates".
+        if self.ngram < 1 or self.num_perm < 1:
+            raise InputError(f"--ngram {self.ngram} and --num-perm {self.num_perm} must both be >= 1")
+        if not 0.0 < self.threshold <= 1.0:
+            raise InputError(f"--threshold {self.threshold} must be a Jaccard similarity in (0, 1]")
 
 
 def shingle_hashes(text: str, shingle: str = "word", ngram: int = 5) -> np.ndarray:
@@ -116,6 +123,8 @@ def _candidate_pairs(sigs: np.ndarray, bands: int, rows: int) -> np.ndarray:
     pairs = []
     has_shingles = sigs[:, 0] != EMPTY
     index = np.flatnonzero(has_shingles)
+    if index.size < 2:  # no pair exists, and the bucket-start arithmetic below needs a first member
+        return np.zeros((0, 2), np.int64)
     for band in range(bands):
         keys = np.ascontiguousarray(sigs[index, band * rows:(band + 1) * rows])
         _, bucket = np.unique(keys, axis=0, return_inverse=True)

@@ -19,6 +19,7 @@ from data_prep.documents import Document, by_domain
 from data_prep.inputs import ReaderOptions, expand_inputs, read_task
 from data_prep.tokenizer import EOS_TOKEN, TokenizerInfo, load, trained
 from glm46_jax import atomic
+from glm46_jax.cli import InputError
 
 Stats = dict[str, Any]
 METADATA_VERSION = 1
@@ -92,7 +93,7 @@ def clean(docs: list[Document], workers: int = 1) -> tuple[list[Document], Stats
 def quality_filter(docs: list[Document], domains: list[str], overrides: dict[str, dict[str, Any]],
                    workers: int = 1) -> tuple[list[Document], Stats]:
     if unknown := sorted(set(overrides) - set(domains)):
-        raise ValueError(f"quality rules name domain(s) {unknown} that no --input has; domains: {domains}")
+        raise InputError(f"quality rules name domain(s) {unknown} that no --input has; domains: {domains}")
     rules = {d: quality.rules_for(d, overrides) for d in domains}
     parts = parallel.map_chunks(quality.filter_documents, docs, workers, "filter", extra=(rules,))
     counts: Stats = {d: {"documents": 0, "kept": 0, "removed": dict.fromkeys(r.rule_names, 0)}
@@ -115,8 +116,24 @@ def build_tokenizer(docs: list[Document], opts: TokenizerOptions, heldout_fracti
         return load(opts.path, opts.eos_token)
     texts = shards.split_documents(docs, heldout_fraction)["train"]
     if not texts:
-        raise ValueError("no training documents left after filtering and deduplication to train a tokenizer on")
+        raise InputError(f"every document left after filtering and deduplication fell in the heldout split "
+                         f"(heldout_fraction {heldout_fraction}): none to train a tokenizer on")
     return trained([d.text for d in texts], opts.vocab_size)
+
+
+def domain_stages(stats: Stats, domain: str) -> Stats:
+    """One domain's counts from every stage so far, keyed as metadata.json lists them under the domain."""
+    entry = {stage: stats.get(stage, {}).get(domain, {}) for stage in ("ingest", "clean", "filter")}
+    entry["dedup"] = stats.get("dedup", {}).get("per_domain", {}).get(domain, {})
+    return entry
+
+
+def require_documents(docs: list[Document], domains: list[str], stats: Stats) -> None:
+    """A domain that lost every document is only a warning (the others still make a dataset); when all
+    of them did, there is no dataset to write, and each domain's counts say which rule or input to fix."""
+    if not docs:
+        reasons = "; ".join(report.empty_domain_reason(d, domain_stages(stats, d)) for d in domains)
+        raise InputError(f"every domain is empty, so no dataset was written: {reasons}")
 
 
 Plan = dict[tuple[str, str], list[shards.ShardTask]]  # (domain, split) -> its shards, in order
@@ -143,9 +160,8 @@ def dataset_metadata(plan: Plan, results: dict[str, dict[str, Any]], stats: Stat
             "shards": [t.path for t in tasks],
         }
     for domain, entry in domains.items():
-        for stage in ("ingest", "clean", "filter"):
-            entry[stage] = stats.get(stage, {}).get(domain, {})
-        entry["dedup"] = stats.get("dedup", {}).get("per_domain", {}).get(domain, {})
+        entry.update(domain_stages(stats, domain))
+        entry["empty"] = not any(entry[split]["documents"] for split in shards.SPLITS)
     return {
         "version": METADATA_VERSION,
         "record_format": {"dtype": "<i4", "content": "one document's token ids followed by eos_id",
@@ -167,6 +183,7 @@ def write_dataset(docs: list[Document], domains: list[str], tok: TokenizerInfo, 
 
     Returns (the metadata, {shards_written, shards_skipped}); the counts differ between a fresh run
     and a resumed one, so they are not part of the (deterministic) metadata file."""
+    require_documents(docs, domains, stats)
     os.makedirs(out, exist_ok=True)
     metadata_path = os.path.join(out, "metadata.json")
     if os.path.exists(metadata_path):
@@ -195,5 +212,6 @@ def run_pipeline(cfg: PipelineConfig) -> tuple[Stats, dict[str, int]]:
     stats = merge_stats(stats, new)
     docs, new = deduplicate(docs, cfg.minhash, cfg.workers)
     stats = merge_stats(stats, new)
+    require_documents(docs, domains, stats)
     tok = build_tokenizer(docs, cfg.tokenizer, cfg.write.heldout_fraction)
     return write_dataset(docs, domains, tok, cfg.write, cfg.out, stats, cfg.workers)

@@ -16,6 +16,7 @@ from collections import Counter
 from typing import Any
 
 from data_prep.documents import Document
+from glm46_jax.cli import InputError
 
 # Gopher's stop-word rule: English prose contains these words; boilerplate, tables and junk rarely do.
 STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})
@@ -54,17 +55,50 @@ def default_preset(domain: str) -> str:
     return "code" if domain.startswith("code") else "prose"
 
 
+_COUNTS = ("min_chars", "max_chars", "stop_words_min")
+_RATIOS = ("symbol_ratio_max", "duplicate_line_fraction_max", "top_ngram_fraction_max")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_value(domain: str, rule: str, value: Any) -> Any:
+    """The override as the rule stores it; a wrong type fails here, in one line, instead of as a
+    TypeError deep inside a filter worker."""
+    where = f"{domain}.{rule}={json.dumps(value)}"
+    if value is None and rule != "top_ngram_n":
+        return None
+    if rule in _COUNTS or rule == "top_ngram_n":
+        least = 1 if rule == "top_ngram_n" else 0
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise InputError(f"{where}: expected an integer >= {least}" + (" or null" if least == 0 else ""))
+    elif rule in _RATIOS:
+        if not _is_number(value) or value < 0:
+            raise InputError(f"{where}: expected a number >= 0 or null")
+    elif rule == "mean_word_length":
+        if (not isinstance(value, (list, tuple)) or len(value) != 2 or not all(map(_is_number, value))
+                or value[0] > value[1]):
+            raise InputError(f"{where}: expected a range [low, high] of two numbers, or null")
+        return tuple(value)
+    return value
+
+
 def rules_for(domain: str, overrides: dict[str, dict[str, Any]]) -> QualityRules:
     """The preset for `domain` (named by `overrides[domain]["preset"]` or guessed) plus its overrides."""
-    fields = dict(overrides.get(domain, {}))
+    fields = overrides.get(domain, {})
+    if not isinstance(fields, dict):
+        raise InputError(f"quality rules for domain {domain!r}: expected an object of RULE: VALUE, "
+                         f"got {json.dumps(fields)}")
+    fields = dict(fields)
     preset = fields.pop("preset", default_preset(domain))
-    if preset not in PRESETS:
-        raise ValueError(f"domain {domain!r}: unknown quality preset {preset!r}; choose from {sorted(PRESETS)}")
+    if not isinstance(preset, str) or preset not in PRESETS:
+        raise InputError(f"domain {domain!r}: unknown quality preset {json.dumps(preset)}; "
+                         f"choose from {sorted(PRESETS)}")
     known = {f.name for f in dataclasses.fields(QualityRules)}
     if unknown := set(fields) - known:
-        raise ValueError(f"domain {domain!r}: unknown quality rule(s) {sorted(unknown)}; known: {sorted(known)}")
-    if isinstance(fields.get("mean_word_length"), list):
-        fields["mean_word_length"] = tuple(fields["mean_word_length"])
+        raise InputError(f"domain {domain!r}: unknown quality rule(s) {sorted(unknown)}; known: {sorted(known)}")
+    fields = {rule: _check_value(domain, rule, value) for rule, value in fields.items()}
     return dataclasses.replace(PRESETS[preset], **fields)
 
 
@@ -73,7 +107,7 @@ def parse_rule_override(arg: str) -> tuple[str, str, Any]:
     key, sep, value = arg.partition("=")
     domain, dot, rule = key.rpartition(".")
     if not sep or not dot:
-        raise ValueError(f"--rule {arg!r}: expected DOMAIN.RULE=VALUE, e.g. prose.min_chars=100")
+        raise InputError(f"--rule {arg!r}: expected DOMAIN.RULE=VALUE, e.g. prose.min_chars=100")
     try:
         return domain, rule, json.loads(value)
     except json.JSONDecodeError:

@@ -1,4 +1,4 @@
-"""Statistics bookkeeping and the human-readable run summary.
+"""Statistics bookkeeping and the human-readable run summary and warnings.
 
 Stage statistics are nested dicts of counts; worker results are summed with `add_counts`. The summary
 is printed from `metadata.json`'s content, so what a user reads is exactly what the file records.
@@ -47,6 +47,45 @@ def malformed_lines(section: dict[str, Any]) -> list[str]:
     return lines
 
 
+def dropped_counts(entry: dict[str, Any]) -> dict[str, int]:
+    """{reason: documents} that one domain's stages removed (nonzero only), in pipeline order; `entry`
+    holds the domain's per-stage counts as metadata.json lists them."""
+    dedup = entry.get("dedup", {})
+    drops = {"empty after clean": entry.get("clean", {}).get("empty", 0), **entry.get("filter", {}).get("removed", {}),
+             "exact duplicates": dedup.get("exact_duplicates", 0), "near duplicates": dedup.get("near_duplicates", 0)}
+    return {reason: n for reason, n in drops.items() if n}
+
+
+def empty_domain_reason(domain: str, entry: dict[str, Any]) -> str:
+    """Why a domain has no documents left: nothing was read, or which stage removed how many."""
+    ingest = entry.get("ingest", {})
+    if not ingest.get("documents"):
+        return f"domain {domain!r}: no documents were read ({ingest.get('malformed', 0)} malformed)"
+    drops = ", ".join(f"{reason} {n}" for reason, n in dropped_counts(entry).items())
+    return f"domain {domain!r}: all {ingest['documents']} documents were dropped" + (f" ({drops})" if drops else "")
+
+
+def warning_lines(meta: dict[str, Any]) -> list[str]:
+    """What the user should know about a finished dataset: domains without documents or without one
+    of the splits (the training loader reads the same counts from metadata.json), and stale shards."""
+    fraction = meta.get("config", {}).get("write", {}).get("heldout_fraction", 0.0)
+    lines = []
+    for domain, info in meta["domains"].items():
+        train, heldout = info["train"]["documents"], info["heldout"]["documents"]
+        if info.get("empty"):
+            lines.append(f"warning: {empty_domain_reason(domain, info)}; it gets no shards")
+        elif heldout == 0 and fraction > 0:  # a fraction of 0 asked for no heldout split: nothing is missing
+            lines.append(f"warning: domain {domain!r}: none of its {train} documents fell in the heldout split "
+                         f"(heldout_fraction {fraction}); it has no heldout data")
+        elif train == 0:
+            lines.append(f"warning: domain {domain!r}: all {heldout} of its documents fell in the heldout split "
+                         f"(heldout_fraction {fraction}); it has no train data")
+    if meta.get("stale_shards"):
+        lines.append(f"warning: {len(meta['stale_shards'])} shard file(s) not in this run's plan (left by a "
+                     f"differently configured run; not listed in metadata.json): {meta['stale_shards'][:5]}")
+    return lines
+
+
 def _fmt(n: int) -> str:
     return f"{n:,}"
 
@@ -73,7 +112,4 @@ def summary_lines(meta: dict[str, Any]) -> list[str]:
     tok = meta["tokenizer"]
     lines.append(f"tokenizer: {tok['source']} vocab {tok['vocab_size']}, eos {tok['eos_token']!r}={tok['eos_id']}")
     lines += malformed_lines(meta.get("malformed", {"count": 0}))
-    if meta.get("stale_shards"):
-        lines.append(f"warning: {len(meta['stale_shards'])} shard file(s) not in this run's plan (left by a "
-                     f"differently configured run; not listed in metadata.json): {meta['stale_shards'][:5]}")
     return lines

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from data_prep import cli, dedup, minhash, quality, shards
+from data_prep import cli, dedup, minhash, quality, report, shards
 from data_prep.clean import clean_text
 from data_prep.documents import Document
 from data_prep.inputs import ReaderOptions
@@ -463,3 +463,170 @@ def test_changed_config_rewrites_shards_and_reports_stale_ones(tmp_path, small_c
         run_pipeline(dataclasses.replace(cfg, rule_overrides={"typo": {"min_chars": 1}}))
     with pytest.raises(ValueError, match="heldout_fraction"):
         WriteOptions(heldout_fraction=1.5)
+
+
+# --- empty and small domains ---------------------------------------------------------------------------
+
+SYMBOL_HEAVY = [f"The {{house}} => [garden] && (the) || window <> with ##$$%% of @@!! to ;;:: and ~~^^ table {w}."
+                for w in ("one", "two", "three", "four", "five")]  # 93-95 chars: only symbol_ratio_max fails
+
+
+def _jsonl(path, texts) -> str:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return str(path)
+
+
+@pytest.fixture
+def failing_domain(tmp_path):
+    """12 documents that all fail a quality rule: 7 under min_chars, 5 over symbol_ratio_max."""
+    return _jsonl(tmp_path / "x.jsonl", [f"tiny doc {i}" for i in range(7)] + SYMBOL_HEAVY)
+
+
+def test_dedup_accepts_no_documents_and_documents_without_shingles():
+    kept, stats = dedup.deduplicate([], minhash.MinHashConfig())
+    assert kept == [] and stats["documents"] == stats["kept"] == stats["removed"] == 0
+    assert stats["per_domain"] == {}
+    # No \w+ word at all: every signature is EMPTY, so no document is in any band bucket.
+    docs = [Document("sym", str(i), t) for i, t in enumerate(["!!! ???", "--- +++", "!!!   ???"])]
+    kept, stats = dedup.deduplicate(docs, minhash.MinHashConfig())
+    assert [d.source for d in kept] == ["0", "1"]
+    assert stats["exact_duplicates_removed"] == 1 and stats["near_duplicates_removed"] == 0
+
+
+def test_emptied_and_small_domains_warn_and_the_rest_is_written(tmp_path, failing_domain, capsys):
+    rng = np.random.default_rng(6)
+    vocab = _vocab(rng)
+    good = _jsonl(tmp_path / "p.jsonl", [prose(rng, vocab, 80) for _ in range(20)])
+    tiny = _jsonl(tmp_path / "t.jsonl", [prose(rng, vocab, 60) for _ in range(2)])  # hashes put neither in heldout
+    out = tmp_path / "out"
+    assert cli.main(["pipeline", "--input", f"prose={good}", "--input", f"x={failing_domain}", "--input",
+                     f"tiny={tiny}", "--out", str(out), "--workers", "1", "--vocab-size", "300",
+                     "--heldout-fraction", "0.25"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: domain 'x': all 12 documents were dropped (min_chars 7, symbol_ratio_max 5); it gets no shards",
+        ("warning: domain 'tiny': none of its 2 documents fell in the heldout split (heldout_fraction 0.25); "
+         "it has no heldout data"),
+    ]
+    meta = json.loads((out / "metadata.json").read_text())
+    domains = meta["domains"]
+    assert [domains[d]["empty"] for d in ("prose", "x", "tiny")] == [False, True, False]
+    for split in shards.SPLITS:
+        assert domains["x"][split] == {"documents": 0, "tokens": 0, "shards": []}
+    assert domains["tiny"]["heldout"] == {"documents": 0, "tokens": 0, "shards": []}
+    assert domains["tiny"]["train"]["documents"] == 2
+    assert domains["prose"]["train"]["documents"] + domains["prose"]["heldout"]["documents"] == 20
+    assert domains["prose"]["heldout"]["documents"] > 0
+    assert not (out / "x").exists() and not (out / "tiny" / "heldout").exists()
+
+
+def test_all_domains_empty_is_one_error_and_writes_nothing(tmp_path, failing_domain, capsys):
+    blank = _jsonl(tmp_path / "y.jsonl", ["   ", "\t\n"])
+    (tmp_path / "z.jsonl").write_text('{"text": \n{"body": "no text field"}\n')
+    z = str(tmp_path / "z.jsonl")
+    want = ("error: every domain is empty, so no dataset was written: domain 'x': all 12 documents were dropped "
+            "(min_chars 7, symbol_ratio_max 5); domain 'y': all 2 documents were dropped (empty after clean 2); "
+            "domain 'z': no documents were read (2 malformed)")
+    inputs = ["--input", f"x={failing_domain}", "--input", f"y={blank}", "--input", f"z={z}"]
+    out = tmp_path / "out"
+    assert cli.main(["pipeline", *inputs, "--out", str(out), "--workers", "1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [want]
+    assert not out.exists()
+
+    # The stages accept zero documents; the dataset-level commands make the same decision.
+    sets = [str(tmp_path / f"set{i}") for i in range(4)]
+    assert cli.main(["ingest", *inputs, "--out", sets[0], "--workers", "1"]) == 0
+    for i, stage in enumerate(("clean", "filter", "dedup")):
+        assert cli.main([stage, "--docset", sets[i], "--out", sets[i + 1], "--workers", "1"]) == 0
+    capsys.readouterr()
+    assert cli.main(["write", "--docset", sets[3], "--out", str(out), "--workers", "1"]) == 2
+    assert cli.main(["train-tokenizer", "--docset", sets[3], "--out", str(tmp_path / "tok.json")]) == 2
+    assert capsys.readouterr().err.splitlines() == [want, want]
+    assert not out.exists() and not (tmp_path / "tok.json").exists()
+
+
+def test_warning_lines_from_metadata():
+    def domain(train, heldout, empty=False):
+        return {"train": {"documents": train, "tokens": 10 * train, "shards": []}, "empty": empty,
+                "heldout": {"documents": heldout, "tokens": 10 * heldout, "shards": []}}
+
+    meta = {"domains": {"a": domain(5, 0), "b": domain(0, 3), "c": domain(4, 1)},
+            "config": {"write": {"heldout_fraction": 0.5}}, "stale_shards": []}
+    assert report.warning_lines(meta) == [
+        ("warning: domain 'a': none of its 5 documents fell in the heldout split (heldout_fraction 0.5); "
+         "it has no heldout data"),
+        ("warning: domain 'b': all 3 of its documents fell in the heldout split (heldout_fraction 0.5); "
+         "it has no train data"),
+    ]
+    # No heldout split was asked for: nothing is missing.
+    meta = {**meta, "domains": {"a": domain(5, 0)}, "config": {"write": {"heldout_fraction": 0.0}}}
+    assert report.warning_lines(meta) == []
+    meta["stale_shards"] = ["a/train/shard-00000-of-00002.array_record"]
+    assert report.warning_lines(meta) == [
+        ("warning: 1 shard file(s) not in this run's plan (left by a differently configured run; not listed in "
+         "metadata.json): ['a/train/shard-00000-of-00002.array_record']")]
+
+
+# --- user errors ----------------------------------------------------------------------------------------
+
+def _bad_docset_line(line: str):
+    def make(tmp_path, docset):
+        with open(os.path.join(docset, "p.jsonl"), "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+        return ["dedup", "--docset", docset, "--out", str(tmp_path / "o")]
+    return make
+
+
+def _rules_file(content: str):
+    def make(tmp_path, docset):
+        (tmp_path / "rules.json").write_text(content)
+        return ["filter", "--docset", docset, "--out", str(tmp_path / "o"), "--rules", str(tmp_path / "rules.json")]
+    return make
+
+
+def _rule(arg: str):
+    return lambda tmp_path, docset: ["filter", "--docset", docset, "--out", str(tmp_path / "o"), "--rule", arg]
+
+
+def _out_is_a_file(tmp_path, docset):
+    (tmp_path / "taken").write_text("someone's file")
+    return ["pipeline", "--input", f"p={docset}/p.jsonl", "--out", str(tmp_path / "taken")]
+
+
+USER_ERRORS = {  # argv builder, a fragment the one error line must contain
+    "missing input": (lambda t, s: ["pipeline", "--input", f"p={t}/nope.jsonl", "--out", str(t / "o")],
+                      "nope.jsonl: no file"),
+    "missing docset": (lambda t, s: ["clean", "--docset", str(t / "no_set"), "--out", str(t / "o")],
+                       "is not a document set"),
+    "docset line not JSON": (_bad_docset_line('{"text": "cut'), "p.jsonl:4: "),
+    "docset line without source": (_bad_docset_line('{"text": "no source"}'), "p.jsonl:4: "),
+    "rules file not JSON": (_rules_file("{"), "rules.json: "),
+    "rules file not an object": (_rules_file("[1, 2]"), "rules.json: "),
+    "rule value of the wrong type": (_rule('p.min_chars="many"'), "p.min_chars"),
+    "rule range not a pair": (_rule("p.mean_word_length=5"), "p.mean_word_length"),
+    "unknown rule": (_rule("p.min_char=5"), "unknown quality rule"),
+    "rule without a domain": (_rule("min_chars=5"), "DOMAIN.RULE=VALUE"),
+    "out is a file": (_out_is_a_file, "not a directory"),
+    "out under a file": (lambda t, s: ["train-tokenizer", "--docset", s, "--out", f"{s}/p.jsonl/tok.json"],
+                         "not a directory"),
+    "ngram 0": (lambda t, s: ["dedup", "--docset", s, "--out", str(t / "o"), "--ngram", "0"], "ngram"),
+    "input without a domain": (lambda t, s: ["pipeline", "--input", "no-equals-sign", "--out", str(t / "o")],
+                               "expected DOMAIN=PATH"),
+}
+
+
+@pytest.mark.parametrize("case", list(USER_ERRORS))
+def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys, case):
+    docset = str(tmp_path / "set")
+    lines = ["The cat sat on the mat with the dog and the bird, which was not the way of it."] * 3
+    assert cli.main(["ingest", "--input", f"p={_jsonl(tmp_path / 'p.jsonl', lines)}", "--out", docset,
+                     "--workers", "1"]) == 0
+    capsys.readouterr()
+    make_argv, fragment = USER_ERRORS[case]
+    try:
+        code = cli.main([*make_argv(tmp_path, docset), "--workers", "1"])
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and fragment in err, err
+    assert not (tmp_path / "o").exists()

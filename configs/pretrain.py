@@ -15,7 +15,7 @@ A run lasts until the curriculum's tokens are spent (or `train.steps` if > 0); t
 `optim.decay_steps` = 0 means "the run's number of steps".
 
 "tiny" runs on a CPU over the sample corpus (`python -m data_prep sample --out data/sample`, which
-`make train` builds). The others carry the GLM-4.5 recipe (GLM_SPEC §5.1): Muon + AdamW, peak
+`make train` builds). The others carry the GLM-4.5 recipe (docs/training.md#summary): Muon + AdamW, peak
 2.5e-4 -> 2.5e-5 cosine over pre- and mid-training, batch 16M -> 64M tokens over the first 500B,
 15T general + 7T code & reasoning at 4K, then 500B repo code + 500B synthetic reasoning at 32K
 (RoPE theta 1e4 -> 1e6) and 100B long-context & agent at 128K. GLM publishes no mixture weights:
@@ -148,7 +148,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.optim = dataclasses.asdict(OptimConfig(lr=2.5e-4, end_lr=2.5e-5, warmup_steps=2000, decay_steps=0))
     c.optim.update(p.get("optim", {}))
 
-    # GLM-4.5 (GLM_SPEC §5.1): MTP lambda 0.3 -> 0.1 and bias rate 1e-3 -> 0 at 15T tokens,
+    # GLM-4.5 (docs/training.md#summary): MTP lambda 0.3 -> 0.1 and bias rate 1e-3 -> 0 at 15T tokens,
     # sequence aux loss 1e-4. Boundaries are in tokens (floats: 15e12 overflows an int32 flag parser).
     c.loss = dataclasses.asdict(LossConfig())
     c.loss.update(p.get("loss", {}))

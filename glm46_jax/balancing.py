@@ -1,4 +1,4 @@
-"""Loss-free load balancing (Wang et al. 2024; DeepSeek-V3; GLM_SPEC §5.1-5.2) and load statistics.
+"""Loss-free load balancing (Wang et al. 2024; DeepSeek-V3; docs/training.md#loss-free-balancing) and load statistics.
 
 After every optimizer step, for each MoE layer with global top-k counts load_i over E experts:
 
@@ -27,7 +27,7 @@ class BalanceConfig:
     rate: float = 1e-3
     rate_after: float = 0.0
     boundary_tokens: float = 15e12  # switch rate -> rate_after once this many tokens were trained on
-    include_mtp: bool = True  # the MTP layer's router is balanced too (unconfirmed for GLM, spec §5.3)
+    include_mtp: bool = True  # MTP router balanced too (unconfirmed for GLM: docs/training.md#unconfirmed-details)
 
 
 def rate_at(cfg: BalanceConfig, tokens_seen: int) -> float:

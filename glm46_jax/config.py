@@ -20,7 +20,8 @@ _MOE_DISPATCH = ("allgather", "alltoall")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """GLM-4.5-family architecture. Defaults are GLM-4.5 (355B-A32B), spec §1.1.
+    """GLM-4.5-family architecture. Defaults are GLM-4.5 (355B-A32B)
+    (docs/architecture.md#config-fields-and-released-values).
 
     The first block of fields carries HF `Glm4MoeConfig` names so `config.json` maps 1:1.
     The second block is runtime choices that HF does not have.
@@ -34,7 +35,7 @@ class ModelConfig:
     num_hidden_layers: int = 92
     num_attention_heads: int = 96
     num_key_value_heads: int = 8
-    head_dim: int = 128  # explicit: NOT hidden_size // num_attention_heads (spec §1.3)
+    head_dim: int = 128  # explicit: NOT hidden_size // num_attention_heads (docs/architecture.md#head-dimension)
     partial_rotary_factor: float = 0.5
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-5
@@ -221,8 +222,8 @@ def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any], **runtim
     for name in ("rope_theta", "partial_rotary_factor"):
         if name not in kw and name in rope:
             kw[name] = rope[name]
-    # HF's own fallbacks when a field is absent (spec §1.3): mirror them, but say so loudly
-    # because they are wrong for the released checkpoints.
+    # HF's own fallbacks when a field is absent (docs/architecture.md#hf-config-fallbacks): mirror
+    # them, but say so loudly because they are wrong for the released checkpoints.
     if "head_dim" not in kw:
         kw["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
         logging.warning("%s: no head_dim; using hidden_size // num_attention_heads = %d as HF does",

@@ -1,7 +1,7 @@
-"""Parameter counts from the config alone (spec §6.1), checked against instantiated models in tests.
+"""Parameter counts from the config alone, checked against instantiated models in tests.
 
 The GLM-4.5 report counts "trunk + MTP, without word embeddings and output layer": that
-convention gives exactly 355.23B total / 32.48B active for GLM-4.5 (spec §6.3).
+convention gives exactly 355.23B total / 32.48B active for GLM-4.5 (docs/architecture.md#parameter-counting).
 """
 
 from __future__ import annotations

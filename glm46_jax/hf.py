@@ -1,7 +1,7 @@
 """Hugging Face interop: GLM-4.5/4.6 safetensors checkpoints <-> this project's parameter pytrees.
 
 Reads the layout the checkpoints are released in (per-expert tensors, the MTP layer stored as
-layer `num_hidden_layers`, spec §2) and transformers-5's fused expert names
+layer `num_hidden_layers`, docs/architecture.md#hf-checkpoint-layout) and transformers-5's fused expert names
 (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]). Writes the released
 layout, which `transformers.Glm4MoeForCausalLM.from_pretrained` and vLLM/SGLang load.
 
@@ -28,7 +28,8 @@ from glm46_jax.config import ModelConfig, from_hf_config, to_hf_config
 from glm46_jax.model import abstract_model
 
 # Tensors in released checkpoints we deliberately do not load: GLM-4.5 stores copies of the
-# embedding and head inside the MTP layer; the model shares the main ones (spec §2.3).
+# embedding and head inside the MTP layer; the model shares the main ones
+# (docs/architecture.md#mtp-embedding-and-head-copies).
 _IGNORED_SUFFIXES = (".embed_tokens.weight", ".shared_head.head.weight")
 
 

@@ -78,7 +78,8 @@ def mtp_labels(targets: Int[Array, "*b s"], mask: Array) -> tuple[Int[Array, "*b
 
 
 def sequence_aux_loss(scores: Float[Array, "*l b s e"], mask: Array, k: int) -> Float[Array, "b"]:
-    """DeepSeek-V3 sequence-level balance loss per row, summed over layers (spec §5.2), unweighted.
+    """DeepSeek-V3 sequence-level balance loss per row, summed over layers, unweighted
+    (docs/training.md#sequence-level-aux-loss).
 
     Per row (sequence) and MoE layer, over its T valid tokens:
       f_i = E / (k T) * #{t : i in TopK(s_t)}    top-k of the *unbiased* sigmoid scores (Megatron's
@@ -111,7 +112,7 @@ class LossConfig:
     mtp_weight_after: float = 0.1  # ... and after them
     mtp_boundary_tokens: float = 15e12
     aux_weight: float = 1e-4  # sequence balance loss alpha (GLM-4.5 report; Megatron-Bridge uses 1e-3)
-    aux_include_mtp: bool = True  # the MTP layer's router in the aux loss (unconfirmed for GLM, spec §5.3)
+    aux_include_mtp: bool = True  # MTP router in the aux loss (unconfirmed: docs/training.md#unconfirmed-details)
     z_weight: float = 0.0  # z-loss on the output logits (PaLM: 1e-4); GLM reports none
 
 

@@ -4,7 +4,7 @@
 
 train_step stays optimizer-agnostic: it only sees an `optax.GradientTransformation`.
 
-Muon (GLM_SPEC §5.1/§5.2, STYLE B2; optax 0.2.8 `optax.contrib.scale_by_muon`):
+Muon (docs/training.md#muon; optax 0.2.8 `optax.contrib.scale_by_muon`):
   * Nesterov momentum 0.95 (optax's bias-corrected EMA form; Newton-Schulz normalises the scale
     away, so the direction equals Moonlight's `g + mu*buf` at step 1 and asymptotically after),
   * Newton-Schulz, 5 steps, (a, b, c) = (3.4445, -4.7750, 2.0315), X / (||X||_F + 1e-8) first,
@@ -18,9 +18,9 @@ lm_head AdamW unless `router_optimizer` / `head_optimizer` = "muon"). The matrix
 orthogonalised as is `muon_dims`; every other axis is a batch axis (stacked layers, experts, heads).
 
 Sharding: Newton-Schulz's X @ X.T fails in Explicit mode when a matrix axis is sharded
-(DuplicateSpecError, STYLE B2). `build_optimizer` therefore returns `sharded_update(tx)`, whose
-update runs under `jax.sharding.auto_axes` with its outputs pinned to the shardings of the incoming
-grads and opt state; `tx.update` can be called in Explicit mode (inside jit) as usual.
+(DuplicateSpecError, docs/sharding.md#muon-and-explicit-sharding). `build_optimizer` therefore returns
+`sharded_update(tx)`, whose update runs under `jax.sharding.auto_axes` with its outputs pinned to the
+shardings of the incoming grads and opt state; `tx.update` can be called in Explicit mode (inside jit) as usual.
 """
 
 from __future__ import annotations

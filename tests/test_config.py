@@ -1,4 +1,4 @@
-"""ModelConfig presets, HF config.json interop and parameter counting against the spec's arithmetic."""
+"""ModelConfig presets, HF config.json interop and parameter counts against docs/architecture.md#parameter-counting."""
 
 import dataclasses
 import json
@@ -13,7 +13,7 @@ from glm46_jax.model import abstract_model
 
 
 def test_glm45_counts_match_the_report():
-    # Spec §6.2 / §6.3, hand arithmetic from config.json values.
+    # docs/architecture.md#parameter-counting, hand arithmetic from config.json values.
     assert attention_params(GLM45) == 136_329_472
     assert dense_layer_params(GLM45) == 325_083_392
     assert moe_layer_params(GLM45) == 3_935_625_632
@@ -52,7 +52,8 @@ def test_small_preset_is_one_to_two_billion():
     assert 1e9 <= param_counts(PRESETS["small"]).model_total <= 2e9
 
 
-# config.json of GLM-4.5 as released (spec §1.1; top-level rope fields, transformers 4.54 format).
+# config.json of GLM-4.5 as released (docs/architecture.md#config-fields-and-released-values;
+# top-level rope fields, transformers 4.54 format).
 GLM45_JSON = {
     "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
     "attention_dropout": 0.0, "eos_token_id": [151329, 151336, 151338], "first_k_dense_replace": 3,

@@ -391,7 +391,8 @@ def test_invalid_phases_and_curricula_say_what_is_wrong(corpus):
 
 
 def test_glm45_schedule_from_the_config_file():
-    """configs/pretrain.py:glm45 is GLM-4.5's curriculum (GLM_SPEC §5.1), checked against the report's numbers."""
+    """configs/pretrain.py:glm45 is GLM-4.5's curriculum (docs/training.md#curriculum), checked against the
+    report's numbers."""
     import importlib.util
 
     from glm46_jax.data.curriculum import from_config, num_steps

@@ -18,7 +18,8 @@ CFG = dataclasses.replace(TINY, vocab_size=128)
 
 
 def _np_moe(x, w_router, bias, wg, wu, wd, sg, su, sd, cfg):
-    """Float64 per-token loop of spec §3.5 (routing, group limit, weights, experts, shared expert)."""
+    """Float64 per-token loop of the MoE block (routing, group limit, weights, experts, shared expert),
+    docs/architecture.md#moe-block."""
     x = x.astype(np.float64)
     out = np.zeros_like(x)
     silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731

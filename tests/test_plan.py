@@ -17,7 +17,7 @@ MESH_256 = {"data": 4, "tensor": 8, "expert": 8, "pipeline": 1}
 
 
 def test_glm45_per_device_param_bytes_match_hand_arithmetic():
-    """data=32, tensor=8, expert=32: every leaf's local shard written out from the spec's shapes and the
+    """data=32, tensor=8, expert=32: every leaf's local shard written out from the model's shapes and the
     logical rules (vocab/heads/kv_heads/mlp/mlp_moe -> tensor, embed/embed_moe -> data, exp -> expert,
     norms, head_dim, router experts and the stacked layers axis replicated)."""
     # H = 5120 over data 32 -> 160; V = 151552 over tensor 8 -> 18944; heads 96/8 -> 12, kv heads 8/8 -> 1;
@@ -56,7 +56,8 @@ def test_glm45_per_device_param_bytes_match_hand_arithmetic():
 
 
 def test_flops_per_token_matches_hand_arithmetic():
-    # Spec §6.2 matmul weights, no biases/norms: q 62,914,560 + k 5,242,880 + v 5,242,880 + o 62,914,560.
+    # Matmul weights, no biases/norms (docs/architecture.md#parameter-counting):
+    # q 62,914,560 + k 5,242,880 + v 5,242,880 + o 62,914,560.
     attn = 62_914_560 + 5_242_880 + 5_242_880 + 62_914_560
     dense = attn + 188_743_680  # 3 * 5120 * 12288
     moe_active = attn + 9 * 23_592_960 + 160 * 5120  # 8 routed + 1 shared expert, router

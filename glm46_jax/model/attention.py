@@ -1,4 +1,4 @@
-"""GQA self-attention with q/k/v bias, per-head QK-norm and partial half-split RoPE (spec §3.4)."""
+"""GQA self-attention with q/k/v bias, per-head QK-norm and partial half-split RoPE (docs/architecture.md#attention)."""
 
 from __future__ import annotations
 

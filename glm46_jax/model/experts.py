@@ -2,7 +2,7 @@
 
 Sort-by-expert + capacity-padded batched einsum. `jax.lax.ragged_dot` alone would be simpler,
 but XLA lowers it to a dense product over every group on CPU and (by default) on NVIDIA GPUs:
-about 90x slower on this CPU for 64 experts (STYLE.md). Capacity C = tokens gives exact
+about 90x slower on this CPU for 64 experts (docs/sharding.md#grouped-expert-matmul). Capacity C = tokens gives exact
 dropless routing (top-k experts are distinct, so no expert can receive more than every token once).
 
 The gather -> SwiGLU -> combine core has a hand-written VJP (`_routed_swiglu`, reverse mode only).

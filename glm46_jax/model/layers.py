@@ -69,7 +69,7 @@ def rope_cos_sin(positions: Int[Array, "b s"], cfg: ModelConfig, dtype) -> tuple
     """cos/sin tables [b, s, rotary_dim] for half-split (NeoX) RoPE on the first rotary_dim dims.
 
     Frequencies and the position product are fp32 exactly as HF computes them, then cast to the
-    activation dtype (spec §3.4, §3.7: at 128K positions the fp32 product matters).
+    activation dtype (docs/architecture.md#partial-rope: at 128K positions the fp32 product matters).
     """
     r = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, r, 2, dtype=jnp.float32) / r))

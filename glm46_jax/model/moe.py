@@ -1,4 +1,4 @@
-"""GLM MoE block: sigmoid router with correction bias, routed experts, shared expert (spec §3.5).
+"""GLM MoE block: sigmoid router with correction bias, routed experts, shared expert (docs/architecture.md#moe-block).
 
 The routed experts run in one `jax.shard_map` (`dispatch`); inside it every strategy ends in the
 local grouped matmul of `experts.py`.
@@ -36,7 +36,8 @@ def route(x: Float[Array, "n d"], w_router_de: Array, bias_e: Array,
         group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # HF: sum of each group's top-2
         _, kept = jax.lax.top_k(group_score, cfg.topk_group)
         keep = (kept[:, :, None] == jnp.arange(cfg.n_group)).any(axis=1)  # [n, groups]
-        # -inf (HF >= 5, Megatron); HF 4.5x filled 0.0, which lets dropped groups win (spec §3.7).
+        # -inf (HF >= 5, Megatron); HF 4.5x filled 0.0, which lets dropped groups win
+        # (docs/architecture.md#group-limited-top-k).
         choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(n, e)
     _, idx = jax.lax.top_k(jax.lax.stop_gradient(choice), cfg.num_experts_per_tok)
     weights = jnp.take_along_axis(scores, idx, axis=-1)

@@ -65,9 +65,10 @@ def _run_stack(stack: DecoderLayer, x, cos, sin, mask, cfg: ModelConfig):
 
 
 class MTPLayer(nnx.Module):
-    """Multi-token prediction, depth 1 (spec §4.1): row t sees embed(x[t+1]) and h[t], predicts x[t+2].
+    """Multi-token prediction, depth 1: row t sees embed(x[t+1]) and h[t], predicts x[t+2].
 
-    Embedding and output head are the main model's (shared), as in GLM-4.6 / DeepSeek-V3.
+    Embedding and output head are the main model's (shared), as in GLM-4.6 / DeepSeek-V3
+    (docs/architecture.md#mtp-layer).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from glm46_jax.config import check_range
 from glm46_jax.model.paths import path_names
 
 
@@ -28,6 +29,12 @@ class BalanceConfig:
     rate_after: float = 0.0
     boundary_tokens: float = 15e12  # switch rate -> rate_after once this many tokens were trained on
     include_mtp: bool = True  # MTP router balanced too (unconfirmed for GLM: docs/training.md#unconfirmed-details)
+
+    def __post_init__(self):
+        # A negative rate would push load toward the busiest experts.
+        for f in ("rate", "rate_after"):
+            check_range("balance", self, f, ge=0, meaning="the bias step per update; 0 = off")
+        check_range("balance", self, "boundary_tokens", ge=0, meaning="tokens before rate_after applies")
 
 
 def rate_at(cfg: BalanceConfig, tokens_seen: int) -> float:

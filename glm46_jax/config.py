@@ -9,13 +9,51 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import numbers
 import os
 from typing import Any, Mapping
+
+from glm46_jax.cli import InputError
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
 _REMAT = ("none", "full", "save_matmuls")
 _MOE_DISPATCH = ("allgather", "alltoall")
+
+
+# --- checking a config section's values --------------------------------------------------------
+
+def check_field(section: str, field: str, value: Any, ok: bool, why: str, fix: str) -> None:
+    """InputError "<section>.<field>=<value>: <why>; <fix>" unless `ok`. `section` is how the user
+    reaches the field on the command line (--config.<section>.<field>)."""
+    if not ok:
+        raise InputError(f"{section}.{field}={value!r}: {why}; {fix}")
+
+
+def check_range(section: str, obj: Any, field: str, *, gt: float | None = None, ge: float | None = None,
+                lt: float | None = None, le: float | None = None, meaning: str = "") -> None:
+    """`obj.<field>` is a number within the given bounds (a NaN never is)."""
+    value = getattr(obj, field)
+    low, high = (gt if gt is not None else ge), (lt if lt is not None else le)
+    if low is not None and high is not None:
+        bounds = f"in {'(' if gt is not None else '['}{low}, {high}{')' if lt is not None else ']'}"
+    elif low is not None:
+        bounds = f"{'>' if gt is not None else '>='} {low}"
+    else:
+        bounds = f"{'<' if lt is not None else '<='} {high}"
+    why = f"must be {bounds}" + (f" ({meaning})" if meaning else "")
+    fix = f"set --config.{section}.{field} to a value {bounds}"
+    # bool is an int to Python; a flag in a numeric field is a mistake all the same.
+    check_field(section, field, value, isinstance(value, numbers.Real) and not isinstance(value, bool), why, fix)
+    ok = ((gt is None or value > gt) and (ge is None or value >= ge)
+          and (lt is None or value < lt) and (le is None or value <= le))
+    check_field(section, field, value, ok, why, fix)
+
+
+def check_choice(section: str, obj: Any, field: str, allowed: tuple[Any, ...], why: str = "") -> None:
+    value = getattr(obj, field)
+    check_field(section, field, value, value in allowed, f"must be one of {allowed}" + (f" ({why})" if why else ""),
+                f"set --config.{section}.{field} to one of them")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,45 +106,67 @@ class ModelConfig:
     remat: str = "none"  # none | full | save_matmuls
 
     def __post_init__(self):
-        def bad(field: str, why: str):
-            raise ValueError(f"ModelConfig.{field}: {why}")
+        def fail(field: str, ok: bool, why: str, fix: str):
+            check_field("model", field, getattr(self, field), ok, why, fix)
 
-        if self.num_attention_heads % self.num_key_value_heads:
-            bad("num_key_value_heads", f"{self.num_key_value_heads} must divide num_attention_heads="
-                f"{self.num_attention_heads} (GQA groups)")
-        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
-            bad("partial_rotary_factor", f"head_dim*factor={self.head_dim * self.partial_rotary_factor} "
-                "must be an even number of dims in (0, head_dim]")
-        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
-            bad("first_k_dense_replace", f"must be in [0, num_hidden_layers={self.num_hidden_layers}]")
-        if self.num_experts_per_tok > self.n_routed_experts:
-            bad("num_experts_per_tok", f"{self.num_experts_per_tok} > n_routed_experts={self.n_routed_experts}")
-        if self.n_routed_experts % self.n_group:
-            bad("n_group", f"{self.n_group} must divide n_routed_experts={self.n_routed_experts}")
-        if not 1 <= self.topk_group <= self.n_group:
-            bad("topk_group", f"must be in [1, n_group={self.n_group}]")
-        if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
-            bad("n_group", "group-limited routing scores each group by its top-2 experts; need >= 2 per group")
-        if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
-            bad("num_experts_per_tok", "more experts per token than the kept groups hold")
-        if self.num_nextn_predict_layers not in (0, 1):
-            bad("num_nextn_predict_layers", "GLM-4.5/4.6 use exactly one MTP layer; 0 or 1 are supported")
-        if self.hidden_act != "silu":
-            bad("hidden_act", f"{self.hidden_act!r} is not GLM's; only 'silu' is implemented")
-        if self.tie_word_embeddings:
-            bad("tie_word_embeddings", "GLM-4.5/4.6 have an untied lm_head; tied embeddings are not supported")
+        # Sizes first: the divisibility checks below divide by them.
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "n_routed_experts",
+                  "num_experts_per_tok", "n_group", "topk_group", "max_position_embeddings"):
+            check_range("model", self, f, ge=1)
+        # 0 builds a zero-width shared expert, i.e. none; GLM has one.
+        check_range("model", self, "n_shared_experts", ge=0, meaning="shared experts, 0 = none")
+        check_range("model", self, "partial_rotary_factor", gt=0, le=1, meaning="the fraction of head_dim rotated")
+        check_range("model", self, "rope_theta", gt=0, meaning="the RoPE base")
+        check_range("model", self, "rms_norm_eps", gt=0, meaning="added to the mean square before the rsqrt")
+        check_range("model", self, "routed_scaling_factor", gt=0, meaning="multiplies the routed experts' weights")
+        check_range("model", self, "initializer_range", gt=0, meaning="the std of the normal weight init")
+        check_range("model", self, "moe_capacity_factor", ge=0, meaning="0 means dropless")
+        for f, v in (("pad_token_id", self.pad_token_id), *(("eos_token_id", v) for v in self.eos_token_id)):
+            if v is not None:
+                fail(f, isinstance(v, numbers.Integral) and 0 <= v < self.vocab_size,
+                     f"token id {v!r} is not in [0, vocab_size={self.vocab_size})", f"set --config.model.{f} "
+                     "to the tokenizer's id")
+
+        fail("num_key_value_heads", self.num_attention_heads % self.num_key_value_heads == 0,
+             f"must divide num_attention_heads={self.num_attention_heads} (GQA groups)",
+             "set --config.model.num_key_value_heads to a divisor of num_attention_heads")
+        fail("partial_rotary_factor", self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim,
+             f"head_dim*factor={self.head_dim * self.partial_rotary_factor} must be an even number of dims "
+             "in (0, head_dim]", "set --config.model.partial_rotary_factor so that head_dim * factor is even")
+        fail("first_k_dense_replace", 0 <= self.first_k_dense_replace <= self.num_hidden_layers,
+             f"must be in [0, num_hidden_layers={self.num_hidden_layers}] (the leading dense layers)",
+             "set --config.model.first_k_dense_replace to at most num_hidden_layers")
+        fail("num_experts_per_tok", self.num_experts_per_tok <= self.n_routed_experts,
+             f"must be <= n_routed_experts={self.n_routed_experts}",
+             "set --config.model.num_experts_per_tok to at most n_routed_experts")
+        fail("n_group", self.n_routed_experts % self.n_group == 0,
+             f"must divide n_routed_experts={self.n_routed_experts}",
+             "set --config.model.n_group to a divisor of n_routed_experts (1 = no group-limited routing)")
+        fail("topk_group", self.topk_group <= self.n_group, f"must be in [1, n_group={self.n_group}]",
+             "set --config.model.topk_group to at most n_group")
+        fail("n_group", self.n_group == 1 or self.n_routed_experts // self.n_group >= 2,
+             f"group-limited routing scores each group by its top-2 experts; n_routed_experts="
+             f"{self.n_routed_experts} leaves fewer than 2 per group",
+             "set --config.model.n_group to at most n_routed_experts / 2")
+        fail("num_experts_per_tok",
+             self.num_experts_per_tok <= self.topk_group * (self.n_routed_experts // self.n_group),
+             "more experts per token than the kept groups hold (topk_group * n_routed_experts / n_group)",
+             "lower --config.model.num_experts_per_tok or raise --config.model.topk_group")
+        fail("num_nextn_predict_layers", self.num_nextn_predict_layers in (0, 1),
+             "GLM-4.5/4.6 use exactly one MTP layer; 0 or 1 are supported",
+             "set --config.model.num_nextn_predict_layers to 0 or 1")
+        fail("hidden_act", self.hidden_act == "silu", "not GLM's; only 'silu' is implemented",
+             "set --config.model.hidden_act='silu'")
+        fail("tie_word_embeddings", not self.tie_word_embeddings,
+             "GLM-4.5/4.6 have an untied lm_head; tied embeddings are not supported",
+             "set --config.model.tie_word_embeddings=False")
         for f in ("dtype", "param_dtype"):
-            if getattr(self, f) not in _DTYPES:
-                bad(f, f"{getattr(self, f)!r} not in {_DTYPES}")
-        if self.attention_impl not in _ATTENTION_IMPLS:
-            bad("attention_impl", f"{self.attention_impl!r} not in {_ATTENTION_IMPLS}")
-        if self.moe_dispatch not in _MOE_DISPATCH:
-            bad("moe_dispatch", f"{self.moe_dispatch!r} not in {_MOE_DISPATCH} (a ragged all-to-all needs "
-                "a GPU/TPU to test on and is not in this build)")
-        if self.remat not in _REMAT:
-            bad("remat", f"{self.remat!r} not in {_REMAT}")
-        if self.moe_capacity_factor < 0:
-            bad("moe_capacity_factor", "must be >= 0 (0 means dropless)")
+            check_choice("model", self, f, _DTYPES)
+        check_choice("model", self, "attention_impl", _ATTENTION_IMPLS)
+        check_choice("model", self, "moe_dispatch", _MOE_DISPATCH,
+                     "a ragged all-to-all needs a GPU/TPU to test on and is not in this build")
+        check_choice("model", self, "remat", _REMAT)
 
     # Derived sizes used throughout the model.
     @property

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from glm46_jax.config import ModelConfig
+from glm46_jax.config import ModelConfig, check_range
 from glm46_jax.model import apply
 
 # A batch is a dict of [b, s] int arrays: "inputs", "targets" and optionally "loss_mask".
@@ -114,6 +114,11 @@ class LossConfig:
     aux_weight: float = 1e-4  # sequence balance loss alpha (GLM-4.5 report; Megatron-Bridge uses 1e-3)
     aux_include_mtp: bool = True  # MTP router in the aux loss (unconfirmed: docs/training.md#unconfirmed-details)
     z_weight: float = 0.0  # z-loss on the output logits (PaLM: 1e-4); GLM reports none
+
+    def __post_init__(self):
+        for f in ("mtp_weight", "mtp_weight_after", "aux_weight", "z_weight"):
+            check_range("loss", self, f, ge=0, meaning="a loss weight; 0 turns the term off")
+        check_range("loss", self, "mtp_boundary_tokens", ge=0, meaning="tokens before mtp_weight_after applies")
 
 
 def mtp_weight_at(cfg: LossConfig, tokens_seen: int) -> float:

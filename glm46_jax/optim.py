@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from glm46_jax.config import check_choice, check_field, check_range
 from glm46_jax.model.paths import LAYER_STACKS, path_names
 
 
@@ -92,6 +93,32 @@ class OptimConfig:
     head_optimizer: str = "adam"  # lm_head: "adam" | "muon"
     layer_decay: float = 1.0  # layer-wise lr decay (mid-training / fine-tuning); 1.0 = off
 
+    def __post_init__(self):
+        def bounds(field, meaning="", **kw):
+            check_range("optim", self, field, meaning=meaning, **kw)
+
+        bounds("lr", gt=0, meaning="the peak learning rate")
+        bounds("end_lr", ge=0, meaning="the learning rate the schedule decays to")
+        bounds("warmup_steps", ge=0)
+        # 0 is allowed: the run config fills in the run's length, and the cosine spans warmup + 1 steps.
+        bounds("decay_steps", ge=0, meaning="the schedule's length, warmup included")
+        bounds("weight_decay", ge=0, meaning="decoupled weight decay of the Muon leaves")
+        bounds("adam_weight_decay", ge=0, meaning="decoupled weight decay of the AdamW embedding and head")
+        # clip_by_global_norm(0) zeroes every update (NaN for a zero gradient): 0 is not "off".
+        bounds("clip", gt=0, meaning="the global gradient-norm clip; a huge value such as 1e9 clips nothing")
+        bounds("b1", ge=0, lt=1, meaning="Adam's first-moment decay")
+        bounds("b2", ge=0, lt=1, meaning="Adam's second-moment decay")
+        bounds("eps", gt=0, meaning="Adam's denominator epsilon")
+        check_choice("optim", self, "schedule", SCHEDULES)
+        bounds("wsd_decay_steps", ge=0, meaning="0 = the last 10% of decay_steps")
+        bounds("restarts", ge=1, meaning="the number of cosine cycles")
+        bounds("muon_momentum", ge=0, lt=1)
+        bounds("muon_ns_steps", ge=1, meaning="Newton-Schulz iterations")
+        bounds("muon_rms", gt=0, meaning="the RMS Muon's updates are scaled to")
+        check_choice("optim", self, "router_optimizer", ("adam", "muon"))
+        check_choice("optim", self, "head_optimizer", ("adam", "muon"))
+        bounds("layer_decay", gt=0, le=1, meaning="1 = off")
+
 
 # --- schedules --------------------------------------------------------------------------------
 
@@ -117,16 +144,18 @@ def make_schedule(cfg: OptimConfig) -> optax.Schedule:
         return lr_schedule(cfg)
     if cfg.schedule == "wsd":
         d = cfg.wsd_decay_steps or max(1, total // 10)
-        if not w <= total - d:
-            raise ValueError(f"wsd: warmup_steps={w} + wsd_decay_steps={d} exceed decay_steps={total}")
+        check_field("optim", "wsd_decay_steps", d, w <= total - d,
+                    f"warmup_steps={w} + wsd_decay_steps={d} exceed decay_steps={total}",
+                    "lower --config.optim.wsd_decay_steps or --config.optim.warmup_steps")
         return optax.join_schedules(
             [optax.linear_schedule(0.0, cfg.lr, w), optax.constant_schedule(cfg.lr),
              optax.linear_schedule(cfg.lr, cfg.end_lr, d)], boundaries=[w, total - d])
     if cfg.schedule == "cosine_restarts":
         n = max(1, cfg.restarts)
         cycle = total // n
-        if cycle <= w:
-            raise ValueError(f"cosine_restarts: cycle length {cycle} must exceed warmup_steps={w}")
+        check_field("optim", "restarts", cfg.restarts, cycle > w,
+                    f"cycles of decay_steps / restarts = {cycle} steps must exceed warmup_steps={w}",
+                    "lower --config.optim.restarts or --config.optim.warmup_steps")
         return optax.sgdr_schedule([
             dict(init_value=0.0 if i == 0 else cfg.end_lr, peak_value=cfg.lr, warmup_steps=w,
                  decay_steps=cycle, end_value=cfg.end_lr) for i in range(n)])
@@ -140,8 +169,6 @@ def make_schedule(cfg: OptimConfig) -> optax.Schedule:
 
 def param_group(path, x, cfg: OptimConfig) -> str:
     """"muon" or "adam" for one leaf: `optimizer_group`, plus the lm_head switch."""
-    if cfg.head_optimizer not in ("adam", "muon"):
-        raise ValueError(f"head_optimizer={cfg.head_optimizer!r}: expected 'adam' or 'muon'")
     if "lm_head" in path_names(path):
         return cfg.head_optimizer
     return optimizer_group(path, x.ndim, router=cfg.router_optimizer)
@@ -221,8 +248,6 @@ def muon_adamw(cfg: OptimConfig, schedule: optax.Schedule) -> optax.GradientTran
       adam: optax.adamw(schedule, b1, b2, eps, weight_decay=adam_weight_decay on embedding/lm_head only)
     The decay and the lr are applied after the partition, once for both groups (same schedule).
     """
-    if cfg.muon_ns_steps < 1:
-        raise ValueError(f"muon_ns_steps={cfg.muon_ns_steps}")
     muon = optax.chain(
         optax.contrib.scale_by_muon(ns_coeffs=NS_COEFFS, ns_steps=cfg.muon_ns_steps, beta=cfg.muon_momentum,
                                     eps=1e-8, nesterov=True, weight_dimension_numbers=_muon_dims_tree),
@@ -316,9 +341,6 @@ def build_optimizer(cfg: OptimConfig, params: Any = None, *, sharded: bool = Tru
     leaves params and moments untouched and is counted in the state (`notfinite_count`,
     `total_notfinite`); it never gives up and applies one, the training loop stops the run instead.
     """
-    for name in ("router_optimizer", "head_optimizer"):
-        if getattr(cfg, name) not in ("adam", "muon"):
-            raise ValueError(f"{name}={getattr(cfg, name)!r}: expected 'adam' or 'muon'")
     schedule = make_schedule(cfg)
     if params is not None:
         param_labels(params, cfg)  # raises early on an unexpected tree

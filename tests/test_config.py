@@ -7,7 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from glm46_jax.config import GLM45, GLM45_AIR, GLM46, PRESETS, TINY, ModelConfig, from_hf_config, to_hf_config
+from glm46_jax.cli import InputError
+from glm46_jax.config import (GLM45, GLM45_AIR, GLM46, PRESETS, TINY, ModelConfig, from_hf_config,
+                              model_config_from_dict, to_hf_config)
 from glm46_jax.counting import attention_params, dense_layer_params, moe_layer_params, param_counts
 from glm46_jax.model import abstract_model
 
@@ -91,19 +93,76 @@ def test_missing_head_dim_falls_back_like_hf(caplog):
     assert "head_dim" in caplog.text
 
 
-@pytest.mark.parametrize("change, field", [
-    (dict(num_key_value_heads=3), "num_key_value_heads"),
-    (dict(n_group=3), "n_group"),
-    (dict(topk_group=3), "topk_group"),
-    (dict(num_experts_per_tok=9), "num_experts_per_tok"),
-    (dict(partial_rotary_factor=0.1), "partial_rotary_factor"),
-    (dict(num_nextn_predict_layers=2), "num_nextn_predict_layers"),
-    (dict(dtype="int8"), "dtype"),
-    (dict(attention_impl="flash3"), "attention_impl"),
-])
-def test_inconsistent_config_names_the_field(change, field):
-    with pytest.raises(ValueError, match=f"ModelConfig.{field}"):
-        dataclasses.replace(TINY, **change)
+# One bad value per ModelConfig field (and the cross-field rules), on the tiny preset.
+BAD_MODEL_VALUES = [
+    ("vocab_size", 0), ("hidden_size", 0), ("intermediate_size", 0), ("moe_intermediate_size", 0),
+    ("num_hidden_layers", 0), ("num_attention_heads", 0), ("num_key_value_heads", 0), ("head_dim", 0),
+    ("partial_rotary_factor", 1.5), ("partial_rotary_factor", 0.1),  # 0.1 * 16 = 1.6 dims: not an even count
+    ("rope_theta", 0.0), ("rms_norm_eps", 0.0), ("first_k_dense_replace", -1), ("first_k_dense_replace", 4),
+    ("n_routed_experts", 0), ("n_shared_experts", -1), ("num_experts_per_tok", 0), ("num_experts_per_tok", 9),
+    ("num_experts_per_tok", 5),  # > topk_group 1 x 8 / 2 experts the kept group holds
+    ("routed_scaling_factor", 0.0), ("n_group", 0), ("n_group", 3), ("n_group", 8), ("topk_group", 0),
+    ("topk_group", 3), ("num_nextn_predict_layers", 2), ("max_position_embeddings", 0),
+    ("initializer_range", -0.02), ("hidden_act", "gelu"), ("pad_token_id", -1), ("pad_token_id", 512),
+    ("eos_token_id", (512,)), ("tie_word_embeddings", True), ("dtype", "int8"), ("param_dtype", "float8"),
+    ("attention_impl", "flash3"), ("moe_capacity_factor", -1.0), ("moe_dispatch", "ragged_alltoall"),
+    ("remat", "some"), ("rope_theta", float("nan")), ("hidden_size", "64"),
+]
+
+
+def assert_names_the_field(err, section, field, value):
+    """The CLI form: "<section>.<field>=<value>: <why>; <what to do with --config.<section>...>"."""
+    msg = str(err.value)
+    assert msg.startswith(f"{section}.{field}={value!r}: "), msg
+    why, _, fix = msg.partition("; ")
+    assert fix and f"--config.{section}." in fix, msg
+
+
+@pytest.mark.parametrize("field, value", BAD_MODEL_VALUES)
+def test_bad_model_value_names_the_field(field, value):
+    with pytest.raises(InputError) as err:
+        dataclasses.replace(TINY, **{field: value})
+    assert_names_the_field(err, "model", field, value)
+
+
+def _numeric_fields(cls):
+    return {f.name for f in dataclasses.fields(cls) if f.type in ("int", "float", "int | None")}
+
+
+def test_every_numeric_model_field_has_a_bad_value_case():
+    assert _numeric_fields(ModelConfig) <= {f for f, _ in BAD_MODEL_VALUES}
+
+
+def test_model_config_error_is_one_line_for_the_cli():
+    with pytest.raises(InputError, match=r"^model\.num_key_value_heads=3: must divide num_attention_heads=8 "
+                       r"\(GQA groups\); set --config\.model\.num_key_value_heads to a divisor"):
+        dataclasses.replace(TINY, num_key_value_heads=3)
+
+
+def test_every_preset_and_default_validates():
+    """The checks must not reject anything that ran before: the presets, the defaults, and every
+    section of every configs/pretrain.py preset."""
+    import importlib.util
+    import os
+
+    from glm46_jax.balancing import BalanceConfig
+    from glm46_jax.loss import LossConfig
+    from glm46_jax.optim import OptimConfig
+
+    for cfg in PRESETS.values():
+        assert dataclasses.replace(cfg) == cfg
+    for cls in (ModelConfig, OptimConfig, LossConfig, BalanceConfig):
+        cls()
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "pretrain.py")
+    spec = importlib.util.spec_from_file_location("pretrain_config_for_test_config", path)
+    pretrain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pretrain)
+    for preset in pretrain._PRESETS:
+        c = pretrain.get_config(preset).to_dict()
+        model_config_from_dict(c["model"])
+        OptimConfig(**c["optim"])
+        LossConfig(**c["loss"])
+        BalanceConfig(**c["balance"])
 
 
 def test_wrong_model_type():

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from glm46_jax import sharding
+from glm46_jax.cli import InputError
 from glm46_jax.config import get_preset
 from glm46_jax.balancing import BalanceConfig, rate_at
 from glm46_jax.loss import LossConfig, batch_norms, cross_entropy, loss_fn, mtp_labels, mtp_weight_at, sequence_aux_loss, token_nll
@@ -277,6 +278,21 @@ def test_loss_fn_without_mtp(mesh1, tiny_case):
     assert "mtp_ce" not in metrics and "aux_loss" not in metrics and float(loss) == float(metrics["ce"])
     assert float(metrics["tokens"]) == batch["targets"].size
     assert abs(float(loss) - np.log(cfg.vocab_size)) < 0.1  # untrained: about uniform over the vocab
+
+
+@pytest.mark.parametrize("cls, section, field, value", [
+    (LossConfig, "loss", "mtp_weight", -0.3), (LossConfig, "loss", "mtp_weight_after", -0.1),
+    (LossConfig, "loss", "mtp_boundary_tokens", -1.0), (LossConfig, "loss", "aux_weight", -1e-4),
+    (LossConfig, "loss", "z_weight", float("nan")),
+    (BalanceConfig, "balance", "rate", -1e-3), (BalanceConfig, "balance", "rate_after", -1e-3),
+    (BalanceConfig, "balance", "boundary_tokens", -15e12),
+])
+def test_bad_loss_and_balance_values_name_the_field(cls, section, field, value):
+    with pytest.raises(InputError) as err:
+        cls(**{field: value})
+    msg = str(err.value)
+    assert msg.startswith(f"{section}.{field}={value!r}: "), msg
+    assert f"; set --config.{section}.{field} " in msg, msg
 
 
 def test_token_schedules_switch_at_the_boundary():

@@ -1,5 +1,7 @@
 """The optimizer: Muon vs a NumPy reference, the muon/adam split, weight decay, schedules, sharding."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,7 @@ import optax
 import pytest
 
 from glm46_jax import sharding
+from glm46_jax.cli import InputError
 from glm46_jax.optim import (NS_COEFFS, OptimConfig, build_optimizer, make_schedule, param_labels)
 
 B1 = 0.95  # Muon momentum
@@ -219,6 +222,29 @@ def test_schedules(name, kw, points):
     sched = make_schedule(OptimConfig(**{**cfg.__dict__, **kw}))
     for step, want in points.items():
         assert float(sched(step)) == pytest.approx(want, abs=1e-5), (name, step)
+
+
+BAD_OPTIM_VALUES = [
+    ("lr", -1.0), ("lr", 0.0), ("lr", float("nan")), ("end_lr", -2.5e-5), ("warmup_steps", -1),
+    ("decay_steps", -1), ("weight_decay", -0.1), ("clip", 0.0), ("clip", -1.0), ("b1", 1.0), ("b1", -0.1),
+    ("b2", 1.0), ("eps", 0.0), ("schedule", "linear"), ("wsd_decay_steps", -1), ("restarts", 0),
+    ("muon_momentum", 1.0), ("muon_ns_steps", 0), ("muon_rms", 0.0), ("adam_weight_decay", -0.1),
+    ("router_optimizer", "sgd"), ("head_optimizer", "lion"), ("layer_decay", 0.0), ("layer_decay", 1.5),
+]
+
+
+@pytest.mark.parametrize("field, value", BAD_OPTIM_VALUES)
+def test_bad_optim_value_names_the_field(field, value):
+    """A negative lr used to train (descending the wrong way) without a word; every field is checked."""
+    with pytest.raises(InputError) as err:
+        OptimConfig(**{field: value})
+    msg = str(err.value)
+    assert msg.startswith(f"optim.{field}={value!r}: "), msg
+    assert f"; set --config.optim.{field} " in msg, msg
+
+
+def test_every_optim_field_has_a_bad_value_case():
+    assert {f.name for f in dataclasses.fields(OptimConfig)} == {f for f, _ in BAD_OPTIM_VALUES}
 
 
 def test_schedule_errors():

@@ -7,7 +7,9 @@ ckpt-to-hf writes a directory that transformers, vLLM and SGLang load: config.js
 in the released GLM layout (per-expert tensors, fp32 correction biases, the MTP layer as layer
 `num_hidden_layers`), and, when the run has one, its tokenizer: tokenizer.json, tokenizer_config.json and
 generation_config.json. hf-to-ckpt writes `<out>/checkpoints/<step>/` (+ tokenizer.json), from which
-`--config.checkpoint.init_from=<out>` starts a run.
+`--config.checkpoint.init_from=<out>` starts a run. A directory saved by transformers has no MTP layer (its
+`save_pretrained` drops it): hf-to-ckpt then initialises that layer fresh (the model's initialiser, seed
+`MTP_SEED`), says so, and lists it in the checkpoint's meta as `"fresh_init": ["mtp"]`.
 
 Either writes into a temporary sibling of --out and renames it at the end, so an interrupted conversion
 leaves nothing half-written. Only safetensors, JSON and Orbax files are read: nothing is unpickled.
@@ -21,7 +23,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 import warnings
@@ -29,16 +30,28 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+from flax import nnx
 
-from glm46_jax import checkpoint, hf, sharding
-from glm46_jax.config import ModelConfig
+from glm46_jax import checkpoint, cli, hf, sharding
+from glm46_jax.cli import InputError
+from glm46_jax.config import ModelConfig, model_config_from_dict
+from glm46_jax.model import ExpertBias, abstract_model
+from glm46_jax.model.transformer import MTPLayer
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+# The MTP layer of a directory that has none is initialised from this seed: the same directory always
+# imports to the same checkpoint.
+MTP_SEED = 0
+
+
+class _Parser(argparse.ArgumentParser):
+    # A bad flag is a user's mistake like any other: one line and exit 2 (cli.main_guard), not usage + error.
+    def error(self, message: str):
+        raise InputError(f"{message} (see {self.prog} --help)")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m glm46_jax.convert", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="python -m glm46_jax.convert", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("ckpt-to-hf", help="training checkpoint -> Hugging Face directory")
     e.add_argument("--run-dir", required=True, help="a training run dir (or its checkpoints/ dir, or one step dir)")
@@ -57,14 +70,6 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--step", type=int, default=0, help="the step number to save under (default 0)")
     i.add_argument("--force", action="store_true", help="replace a non-empty --out")
     return p
-
-
-def parse_size(text: str) -> int:
-    """'5GiB' / '500MB' / '1048576' -> bytes (GB = 1e9 as on the Hub, GiB = 2**30)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"--max-shard-size={text!r}: expected a byte count or a size like 5GiB, 500MB, 64KiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 def _host_mesh() -> jax.sharding.Mesh:
@@ -111,10 +116,10 @@ def tokenizer_files(tokenizer_json: str, cfg: ModelConfig) -> dict[str, dict[str
     try:
         tok = Tokenizer.from_file(tokenizer_json)
     except Exception as e:  # any parse failure means: not a tokenizer.json
-        raise ValueError(f"{tokenizer_json}: not a readable tokenizer.json ({e})") from e
+        raise InputError(f"{tokenizer_json}: not a readable tokenizer.json ({e})") from e
     size = tok.get_vocab_size(with_added_tokens=True)
     if size > cfg.vocab_size:
-        raise ValueError(f"{tokenizer_json}: {size} tokens but the model embeds only vocab_size={cfg.vocab_size}; "
+        raise InputError(f"{tokenizer_json}: {size} tokens but the model embeds only vocab_size={cfg.vocab_size}; "
                          "this is not the run's tokenizer (pass the right one with --tokenizer)")
     special = {i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special}
 
@@ -123,7 +128,7 @@ def tokenizer_files(tokenizer_json: str, cfg: ModelConfig) -> dict[str, dict[str
             return special[i]
         text = tok.id_to_token(i)
         if text is None:
-            raise ValueError(f"{tokenizer_json}: the model's {field} {i} is not a token of this tokenizer "
+            raise InputError(f"{tokenizer_json}: the model's {field} {i} is not a token of this tokenizer "
                              "(pass the run's tokenizer with --tokenizer)")
         warnings.warn(f"{tokenizer_json}: {field} {i} ({text!r}) is not a special token; decoding will not drop it",
                       stacklevel=2)
@@ -151,16 +156,17 @@ def _inside(path: str, parent: str) -> bool:
 def _check_out(out: str, force: bool, source: str) -> None:
     # Called before the (slow) load too, so a bad --out fails at once.
     if os.path.exists(out) and not os.path.isdir(out):
-        raise FileExistsError(f"{out}: exists and is not a directory; choose another --out")
+        raise InputError(f"{out}: exists and is not a directory; choose another --out")
     if os.path.isdir(out) and os.listdir(out) and not force:
-        raise FileExistsError(f"{out}: not empty; pass --force to replace it, or choose another --out")
+        raise InputError(f"{out}: not empty; pass --force to replace it, or choose another --out")
     if _inside(source, out):  # --force would delete what we are converting
-        raise ValueError(f"--out {out} contains the source {source}; choose another --out")
+        raise InputError(f"--out {out} contains the source {source}; choose another --out")
 
 
 @contextlib.contextmanager
 def _staged(out: str, force: bool, source: str) -> Iterator[str]:
     """A temporary sibling of `out` to write into; renamed to `out` only if the block completes."""
+    # Not glm46_jax.atomic: that replaces one file, this replaces a whole directory (shards + config) at once.
     out = os.path.abspath(out)
     _check_out(out, force, source)
     parent = os.path.dirname(out)
@@ -194,12 +200,16 @@ def ckpt_to_hf(run_dir: str, out: str, *, step: int | None = None, dtype: str = 
                force: bool = False) -> str:
     step_dir = resolve_step(run_dir, step)
     _check_out(os.path.abspath(out), force, step_dir)
+    # The shard limit is checked against the checkpoint's shapes before its (slow) load.
+    cfg = model_config_from_dict(checkpoint.read_meta(step_dir)["model_config"])
+    mesh = _host_mesh()
+    hf.check_max_shard(cfg, *abstract_model(cfg, mesh)[1:], dtype, max_shard_bytes)
     if tokenizer and os.path.isdir(tokenizer):
         tokenizer = os.path.join(tokenizer, "tokenizer.json")
     if tokenizer and not os.path.isfile(tokenizer):
         raise FileNotFoundError(f"{tokenizer}: no such tokenizer.json (--tokenizer)")
     tokenizer = tokenizer or checkpoint.tokenizer_path(step_dir)
-    cfg, _, params, buffers = checkpoint.load_params(step_dir, _host_mesh())
+    cfg, _, params, buffers = checkpoint.load_params(step_dir, mesh)
     extra = tokenizer_files(tokenizer, cfg) if tokenizer else {}  # checked before anything is written
     if not tokenizer:
         warnings.warn(f"{step_dir}: no tokenizer.json with the run (or --tokenizer); writing the weights and "
@@ -216,16 +226,40 @@ def ckpt_to_hf(run_dir: str, out: str, *, step: int | None = None, dtype: str = 
     return os.path.abspath(out)
 
 
+def _fresh_mtp(cfg: ModelConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.State, nnx.State]:
+    """(params, buffers) of a new MTP layer: the model's own initialiser, seed MTP_SEED, on `mesh`."""
+    with sharding.use_mesh(mesh):
+        @jax.jit
+        def make(key):
+            _, params, buffers = nnx.split(MTPLayer(cfg, rngs=nnx.Rngs(params=key)), nnx.Param, ExpertBias)
+            return params, buffers
+        return make(jax.random.key(MTP_SEED))
+
+
+def _with_part(state: nnx.State, name: str, part: nnx.State) -> nnx.State:
+    return nnx.from_flat_state([*nnx.to_flat_state(state), *(((name, *p), v) for p, v in nnx.to_flat_state(part))])
+
+
 def hf_to_ckpt(hf_dir: str, out: str, *, step: int = 0, force: bool = False) -> str:
     hf_dir = os.path.abspath(hf_dir)
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise FileNotFoundError(f"{hf_dir}: not a Hugging Face model directory (no config.json); pass the "
                                 "directory holding config.json and the *.safetensors files")
     _check_out(os.path.abspath(out), force, hf_dir)
-    cfg, _, params, buffers = hf.load_hf(hf_dir, _host_mesh())
+    mesh = _host_mesh()
+    declared = hf.read_config(hf_dir)
+    cfg, _, params, buffers = hf.load_hf(hf_dir, mesh, declared, warn_missing_mtp=False)
+    fresh_init: list[str] = []  # parts initialised rather than imported
+    if declared.num_nextn_predict_layers and not cfg.num_nextn_predict_layers:
+        # The run from this checkpoint trains what config.json describes, MTP included: start that layer anew.
+        mtp_params, mtp_buffers = _fresh_mtp(declared, mesh)
+        params, buffers = _with_part(params, "mtp", mtp_params), _with_part(buffers, "mtp", mtp_buffers)
+        cfg, fresh_init = declared, ["mtp"]
+        print(f"MTP layer initialised fresh (seed {MTP_SEED}): {hf_dir} has no model.layers.{cfg.num_hidden_layers}.* "
+              "tensors (transformers' save_pretrained drops them); the checkpoint's meta says fresh_init=['mtp']")
     source_tok = os.path.join(hf_dir, "tokenizer.json")
     target_tok = os.path.join(os.path.abspath(out), "tokenizer.json")
-    meta: dict[str, Any] = {"source": {"hf_dir": hf_dir}, "tokenizer": None}
+    meta: dict[str, Any] = {"source": {"hf_dir": hf_dir}, "tokenizer": None, "fresh_init": fresh_init}
     if os.path.isfile(source_tok):
         with open(source_tok, "rb") as f:
             meta["tokenizer"] = {"path": target_tok, "source": source_tok, "sha256": hashlib.sha256(f.read()).hexdigest()}
@@ -243,14 +277,11 @@ def main(argv: list[str] | None = None) -> str:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "ckpt-to-hf":
-        try:
-            shard = parse_size(args.max_shard_size)
-        except ValueError as e:
-            parser.error(str(e))
+        shard = cli.parse_bytes(args.max_shard_size, "--max-shard-size")
         return ckpt_to_hf(args.run_dir, args.out, step=args.step, dtype=args.dtype, tokenizer=args.tokenizer,
                           max_shard_bytes=shard, mtp_copies=not args.no_mtp_copies, force=args.force)
     return hf_to_ckpt(args.hf_dir, args.out, step=args.step, force=args.force)
 
 
 if __name__ == "__main__":
-    main()
+    cli.main_guard(main)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
+import math
 import os
 from typing import Callable, Iterator
 
@@ -24,8 +26,12 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from glm46_jax import atomic
+from glm46_jax.cli import InputError
 from glm46_jax.config import ModelConfig, from_hf_config, to_hf_config
 from glm46_jax.model import abstract_model
+
+log = logging.getLogger(__name__)
 
 # Tensors in released checkpoints we deliberately do not load: GLM-4.5 stores copies of the
 # embedding and head inside the MTP layer; the model shares the main ones
@@ -52,8 +58,11 @@ class _Reader:
     def __init__(self, hf_dir: str):
         index = os.path.join(hf_dir, "model.safetensors.index.json")
         if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
+            try:
+                with open(index) as f:
+                    files = sorted(set(json.load(f)["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise InputError(f"{index}: not a safetensors index (a JSON object with a weight_map): {e!r}") from e
         else:
             files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
         if not files:
@@ -64,7 +73,10 @@ class _Reader:
             path = os.path.join(hf_dir, name)
             if not os.path.exists(path):
                 raise FileNotFoundError(f"{path}: listed in the index but missing")
-            handle = safe_open(path, framework="numpy")
+            try:
+                handle = safe_open(path, framework="numpy")
+            except Exception as e:  # safetensors raises its own error types for a damaged header
+                raise InputError(f"{path}: not a readable safetensors file ({e})") from e
             self._handles.append(handle)
             for key in handle.keys():
                 self._where[key] = handle
@@ -74,12 +86,15 @@ class _Reader:
     def has(self, name: str) -> bool:
         return name in self._where
 
+    def has_prefix(self, prefix: str) -> bool:
+        return any(k.startswith(prefix) for k in self._where)
+
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self._where:
-            raise KeyError(f"{self.dir}: tensor {name!r} (expected shape {list(shape)}) is missing")
+            raise InputError(f"{self.dir}: tensor {name!r} (expected shape {list(shape)}) is missing")
         t = self._where[name].get_tensor(name)
         if tuple(t.shape) != tuple(shape):
-            raise ValueError(f"{self.dir}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+            raise InputError(f"{self.dir}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
         self.used.add(name)
         return t
 
@@ -185,15 +200,38 @@ def _flat(state: nnx.State) -> dict[tuple[str, ...], object]:
     return {tuple(str(p) for p in path): leaf for path, leaf in nnx.to_flat_state(state)}
 
 
-def load_hf(hf_dir: str, mesh: jax.sharding.Mesh, cfg: ModelConfig | None = None, **runtime):
+def read_config(hf_dir: str, **runtime) -> ModelConfig:
+    """`from_hf_config(hf_dir)`; a config.json that is not a valid GLM-MoE is the user's mistake."""
+    where = os.path.join(hf_dir, "config.json")
+    try:
+        return from_hf_config(hf_dir, **runtime)
+    except InputError:
+        raise
+    except KeyError as e:
+        raise InputError(f"{where}: no {e.args[0]!r} field, which a GLM-MoE config.json needs") from e
+    except (ValueError, TypeError) as e:
+        raise InputError(str(e) if str(e).startswith(where) else f"{where}: {e}") from e
+
+
+def load_hf(hf_dir: str, mesh: jax.sharding.Mesh, cfg: ModelConfig | None = None, *,
+            warn_missing_mtp: bool = True, **runtime):
     """Load an HF GLM-4.5/4.6 directory into (cfg, graphdef, params, buffers), sharded on `mesh`.
 
     Missing or mis-shaped tensors raise with the tensor's name and expected shape; tensors the
     model would not use raise too (nothing is silently dropped), except the MTP layer's copies
     of the shared embedding and head.
+
+    One absence is tolerated: the whole MTP layer. transformers' `save_pretrained` drops it (and
+    keeps `num_nextn_predict_layers` in config.json), so every fine-tune published with transformers
+    lacks it. The returned cfg then has `num_nextn_predict_layers=0`, and a one-line warning is
+    logged unless `warn_missing_mtp=False`. Any MTP tensor present means the layer must be complete.
     """
-    cfg = cfg or from_hf_config(hf_dir, **runtime)
+    cfg = cfg or read_config(hf_dir, **runtime)
     rd = _Reader(hf_dir)
+    mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
+    no_mtp = bool(cfg.num_nextn_predict_layers) and not rd.has_prefix(mtp_prefix)
+    if no_mtp:
+        cfg = cfg.replace(num_nextn_predict_layers=0)
     graphdef, abs_params, abs_buffers = abstract_model(cfg, mesh)
     leaves = {leaf.path: leaf for leaf in _leaves(cfg, rd)}
 
@@ -221,9 +259,35 @@ def load_hf(hf_dir: str, mesh: jax.sharding.Mesh, cfg: ModelConfig | None = None
     params, buffers = build(abs_params), build(abs_buffers)
     extra = rd.unused()
     if extra:
-        raise ValueError(f"{hf_dir}: {len(extra)} tensors do not belong to a GLM-MoE with this config.json "
+        raise InputError(f"{hf_dir}: {len(extra)} tensors do not belong to a GLM-MoE with this config.json "
                          f"(first: {extra[:5]}); check num_hidden_layers / num_nextn_predict_layers")
+    if no_mtp and warn_missing_mtp:  # only once the load succeeded: an error must stay the one line printed
+        log.warning("%s: config.json has num_nextn_predict_layers=1 but the directory holds no MTP tensors "
+                    "(%s*; transformers' save_pretrained drops them): loaded without the MTP layer",
+                    hf_dir, mtp_prefix)
     return cfg, graphdef, params, buffers
+
+
+def _storage_dtype(dtype: str) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def check_max_shard(cfg: ModelConfig, params: nnx.State, buffers: nnx.State, dtype: str,
+                    max_shard_bytes: int) -> None:
+    """A tensor cannot be split across safetensors files, so a shard limit below the largest one cannot
+    be kept. `params`/`buffers` may be abstract (`abstract_model`): only shapes are read."""
+    flat = {**_flat(params), **_flat(buffers)}
+    storage = _storage_dtype(dtype)
+    sizes = []
+    for leaf in _leaves(cfg, None):
+        shape = flat[leaf.path].get_value().shape[leaf.lead:]
+        itemsize = 4 if leaf.path[-1] == "e_score_correction_bias" else storage.itemsize
+        sizes.append((math.prod(shape) * itemsize, ".".join(leaf.path), list(shape)))
+    nbytes, path, shape = max(sizes, key=lambda s: s[0])
+    if max_shard_bytes < nbytes:
+        raise InputError(f"max shard size {max_shard_bytes} bytes is smaller than the largest tensor, {path} "
+                         f"{shape} in {dtype} ({nbytes} bytes), and a tensor cannot span two files; "
+                         f"use --max-shard-size {math.ceil(nbytes / 2**20)}MiB or more")
 
 
 def save_hf(out_dir: str, cfg: ModelConfig, params: nnx.State, buffers: nnx.State, *,
@@ -234,8 +298,9 @@ def save_hf(out_dir: str, cfg: ModelConfig, params: nnx.State, buffers: nnx.Stat
     `mtp_copies` also writes the MTP layer's copies of the embedding and head (GLM-4.5 style;
     GLM-4.6 omits them).
     """
+    check_max_shard(cfg, params, buffers, dtype, max_shard_bytes)
     os.makedirs(out_dir, exist_ok=True)
-    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    np_dtype = _storage_dtype(dtype)
     flat = {**_flat(params), **_flat(buffers)}
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -264,14 +329,11 @@ def save_hf(out_dir: str, cfg: ModelConfig, params: nnx.State, buffers: nnx.Stat
     weight_map, total_bytes = {}, 0
     for i, shard in enumerate(shards):
         fname = "model.safetensors" if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors"
-        tmp = os.path.join(out_dir, fname + ".tmp")
-        save_file(shard, tmp, metadata={"format": "pt"})
-        os.replace(tmp, os.path.join(out_dir, fname))  # never leave a half-written shard behind
+        with atomic.atomic_path(os.path.join(out_dir, fname)) as tmp:  # never a half-written shard
+            save_file(shard, tmp, metadata={"format": "pt"})
         weight_map.update({k: fname for k in shard})
         total_bytes += sum(t.nbytes for t in shard.values())
     if total > 1:
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))},
-                      f, indent=2)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(to_hf_config(cfg, torch_dtype=dtype), f, indent=2)
+        atomic.write_json(os.path.join(out_dir, "model.safetensors.index.json"),
+                          {"metadata": {"total_size": total_bytes}, "weight_map": weight_map})
+    atomic.write_json(os.path.join(out_dir, "config.json"), to_hf_config(cfg, torch_dtype=dtype))

@@ -5,6 +5,7 @@
 
 `--text` needs a tokenizer: `<hf-dir>/tokenizer.json`, or for a checkpoint the corpus tokenizer that
 training copied into its run dir (`checkpoint.tokenizer_path`), or any `tokenizer.json` given with `--tokenizer`.
+Scoring uses the main model only, so a directory saved by transformers (no MTP layer) scores too, with a warning.
 """
 
 from __future__ import annotations
@@ -18,14 +19,21 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from glm46_jax import sharding
+from glm46_jax import cli, sharding
+from glm46_jax.cli import InputError
 from glm46_jax.loss import token_nll
 from glm46_jax.model import apply
 
 
+class _Parser(argparse.ArgumentParser):
+    # A bad flag is a user's mistake like any other: one line and exit 2 (cli.main_guard), not usage + error.
+    def error(self, message: str):
+        raise InputError(f"{message} (see {self.prog} --help)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m glm46_jax.score", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="python -m glm46_jax.score", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf-dir", help="Hugging Face GLM-4.5/4.6 directory (config.json + safetensors)")
     src.add_argument("--checkpoint", help="a training run directory or one of its checkpoints")
@@ -49,7 +57,10 @@ class _Tokenizer:
         if not os.path.exists(spec):
             raise FileNotFoundError(f"{spec}: tokenizer.json not found (pass --tokenizer PATH)")
         from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(spec)
+        try:
+            tok = Tokenizer.from_file(spec)
+        except Exception as e:  # any parse failure means: not a tokenizer.json
+            raise InputError(f"{spec}: not a readable tokenizer.json ({e})") from e
         self._encode = lambda text: tok.encode(text, add_special_tokens=False).ids
         self._decode = lambda ids: tok.decode(list(ids), skip_special_tokens=False)
 
@@ -76,22 +87,21 @@ def _load(args, mesh):
 
 def main(argv: list[str] | None = None) -> float:
     """Prints the table; returns the total log-likelihood."""
-    parser = _parser()
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
+    if args.tokens is not None:  # checked before the (slow) load
+        try:
+            ids = [int(t) for t in args.tokens.split(",") if t.strip()]
+        except ValueError:
+            raise InputError(f"--tokens={args.tokens!r}: expected comma-separated integers") from None
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
     cfg, graphdef, params, buffers, tok_spec = _load(args, mesh)
     tokenizer = None
     if args.text is not None:
         tokenizer = _Tokenizer(tok_spec)
         ids = tokenizer.encode(args.text)
-    else:
-        try:
-            ids = [int(t) for t in args.tokens.split(",") if t.strip()]
-        except ValueError:
-            parser.error(f"--tokens={args.tokens!r}: expected comma-separated integers")
     bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
     if bad or len(ids) < 2:
-        parser.error(f"need >= 2 token ids in [0, {cfg.vocab_size}); got {len(ids)} ids, out of range: {bad[:5]}")
+        raise InputError(f"need >= 2 token ids in [0, {cfg.vocab_size}); got {len(ids)} ids, out of range: {bad[:5]}")
 
     tokens = jnp.asarray([ids], jnp.int32)
     with sharding.use_mesh(mesh):
@@ -111,4 +121,4 @@ def main(argv: list[str] | None = None) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    cli.main_guard(main)

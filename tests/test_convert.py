@@ -12,13 +12,17 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file
 
 from conftest import FIXTURES
 from glm46_jax import checkpoint, convert, hf, sharding
+from glm46_jax.cli import InputError
 from glm46_jax.config import from_hf_config, get_preset
 from glm46_jax.hf import load_hf
 from glm46_jax.model import apply, init_model
+from test_hf_parity import without_mtp
+from test_score import assert_one_line_error, run_cli
 
 HF_FULL = os.path.join(FIXTURES, "hf_full")
 # config.json keys the exporter writes in the released checkpoints' form rather than as transformers-5's
@@ -70,6 +74,7 @@ def test_hf_fixture_round_trip_is_bit_identical_and_keeps_golden_logits(tmp_path
         with pytest.warns(UserWarning, match="no tokenizer.json"):
             assert convert.main(["ckpt-to-hf", "--run-dir", run, "--out", export, "--dtype", "float32"]) == export
     assert step_dir == os.path.join(run, "checkpoints", "0")
+    assert checkpoint.read_meta(step_dir)["fresh_init"] == []  # every weight came from the directory
     assert sorted(os.listdir(export)) == ["config.json", "model.safetensors"]  # weights only, no tokenizer
     assert sorted(os.listdir(tmp_path)) == ["export", "run"]  # no temporary directories left behind
 
@@ -232,10 +237,10 @@ def test_non_empty_out_needs_force_and_failures_leave_nothing(trained_run, tmp_p
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     args = ["ckpt-to-hf", "--run-dir", trained_run["run"], "--out", str(out), "--dtype", "float32"]
-    with pytest.raises(FileExistsError, match=f"{out}: not empty; pass --force"):
+    with pytest.raises(InputError, match=f"{out}: not empty; pass --force"):
         convert.main(args)
     assert (out / "keep.txt").read_text() == "mine"
-    with pytest.raises(ValueError, match="contains the source"):  # --force must never delete the run
+    with pytest.raises(InputError, match="contains the source"):  # --force must never delete the run
         convert.main(["ckpt-to-hf", "--run-dir", trained_run["run"], "--out", trained_run["run"], "--force"])
 
     def crash(out_dir, *a, **k):  # dies after writing part of the export
@@ -251,3 +256,92 @@ def test_non_empty_out_needs_force_and_failures_leave_nothing(trained_run, tmp_p
     convert.main(args + ["--force"])
     assert "keep.txt" not in os.listdir(out) and "config.json" in os.listdir(out)
     assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_hf_dir_without_mtp_imports_with_a_fresh_mtp_layer(tmp_path, mesh1, capsys):
+    """A directory saved by transformers (no MTP tensors): the main model imported bit for bit, the MTP layer
+    initialised as a new model's would be (HF's scheme: N(0, initializer_range) matrices, unit norms, zero
+    biases), deterministically, and the checkpoint's meta says which part is not imported."""
+    d = without_mtp(HF_FULL, str(tmp_path / "hf"))
+    step_dir = convert.main(["hf-to-ckpt", "--hf-dir", d, "--out", str(tmp_path / "run")])
+    said = [line for line in capsys.readouterr().out.splitlines() if "MTP" in line]
+    assert len(said) == 1 and "initialised fresh" in said[0], said
+    assert checkpoint.read_meta(step_dir)["fresh_init"] == ["mtp"]
+
+    cfg, graphdef, params, buffers = checkpoint.load_params(step_dir, mesh1)
+    assert cfg.num_nextn_predict_layers == 1  # config.json's: a run from here trains the MTP layer
+    source = _tensors(d)
+    np.testing.assert_array_equal(np.asarray(params["embed_tokens"].get_value()), source["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(np.asarray(params["lm_head"].get_value()), source["lm_head.weight"].T)
+    np.testing.assert_array_equal(np.asarray(params["moe_layers"]["mlp"]["gate_proj"].get_value())[1, 5],
+                                  source["model.layers.2.mlp.experts.5.gate_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(buffers["moe_layers"]["mlp"]["e_score_correction_bias"].get_value())[0],
+                                  source["model.layers.1.mlp.gate.e_score_correction_bias"])
+    # Every main-model weight is the fixture's (load_hf of the complete fixture is checked against HF's logits).
+    _, _, ref_params, ref_buffers = load_hf(HF_FULL, mesh1)
+    for ours, ref in ((params, ref_params), (buffers, ref_buffers)):
+        main = {p: v for p, v in nnx.to_flat_state(ours) if p[0] != "mtp"}
+        want = {p: v for p, v in nnx.to_flat_state(ref) if p[0] != "mtp"}
+        assert sorted(main) == sorted(want)
+        for path, v in want.items():
+            np.testing.assert_array_equal(np.asarray(main[path].get_value()), np.asarray(v.get_value()), str(path))
+    gold = np.load(os.path.join(HF_FULL, "golden.npz"))
+    out = _logits(mesh1, graphdef, params, buffers, gold["input_ids"], gold["position_ids"])
+    assert np.abs(np.asarray(out.logits) - gold["logits"]).max() <= 1e-4
+    assert np.isfinite(np.asarray(out.mtp_logits)).all()
+
+    mtp = {".".join(map(str, p)): np.asarray(v.get_value())
+           for p, v in (*nnx.to_flat_state(params["mtp"]), *nnx.to_flat_state(buffers["mtp"]))}
+    ones = [k for k in mtp if k.endswith("norm.weight")]
+    zeros = [k for k in mtp if k.endswith(("_bias", "correction_bias"))]
+    assert len(ones) == 7 and len(zeros) == 4, sorted(mtp)  # 3 MTP norms + 2 block norms + q/k norms; q/k/v + router bias
+    for k in ones:
+        np.testing.assert_array_equal(mtp[k], 1.0, err_msg=k)
+    for k in zeros:
+        np.testing.assert_array_equal(mtp[k], 0.0, err_msg=k)
+    matrices = sorted(set(mtp) - set(ones) - set(zeros))
+    assert len(matrices) == 12, matrices  # eh_proj, q/k/v/o, router, shared gate/up/down, experts gate/up/down
+    for k in matrices:
+        w = mtp[k]
+        assert abs(w.mean()) < 0.1 * cfg.initializer_range and abs(w.std() / cfg.initializer_range - 1) < 0.15, k
+    assert len({mtp[k].tobytes() for k in matrices}) == len(matrices)  # independent draws
+    original = load_file(os.path.join(HF_FULL, "model.safetensors"))["model.layers.3.eh_proj.weight"].T
+    assert not np.allclose(mtp["eh_proj"], original)
+
+    # Deterministic: the same directory imports to the same checkpoint.
+    step_dir2 = convert.main(["hf-to-ckpt", "--hf-dir", d, "--out", str(tmp_path / "run2")])
+    _, _, params2, buffers2 = checkpoint.load_params(step_dir2, mesh1)
+    _assert_same_state(params2, params)
+    _assert_same_state(buffers2, buffers)
+
+
+@pytest.fixture(scope="module")
+def bad_convert_inputs(tmp_path_factory, trained_run):
+    root = tmp_path_factory.mktemp("bad_convert")
+    inconsistent = root / "inconsistent"
+    inconsistent.mkdir()
+    with open(os.path.join(HF_FULL, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = 4  # the tensors are of 3 layers (+ MTP)
+    (inconsistent / "config.json").write_text(json.dumps(config))
+    os.link(os.path.join(HF_FULL, "model.safetensors"), inconsistent / "model.safetensors")
+    junk = root / "junk"
+    junk.mkdir()
+    (junk / "notes.txt").write_text("not a checkpoint")
+    return {"run": trained_run["run"], "junk": str(junk), "inconsistent": str(inconsistent),
+            "missing": str(root / "nope"), "out": str(root / "out")}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["hf-to-ckpt", "--hf-dir", "{missing}", "--out", "{out}"], "not a Hugging Face model directory"),
+    (["hf-to-ckpt", "--hf-dir", "{inconsistent}", "--out", "{out}"], "check num_hidden_layers"),
+    (["hf-to-ckpt", "--hf-dir", "{junk}", "--out", "{out}", "--step", "x"], "--step"),
+    (["ckpt-to-hf", "--run-dir", "{junk}", "--out", "{out}"], "not a checkpoint"),
+    (["ckpt-to-hf", "--run-dir", "{run}", "--out", "{run}", "--force"], "contains the source"),
+    (["ckpt-to-hf", "--run-dir", "{run}", "--out", "{out}", "--max-shard-size", "5XB"], "--max-shard-size='5XB'"),
+    (["ckpt-to-hf", "--run-dir", "{run}", "--out", "{out}", "--max-shard-size", "1KiB"], "embed_tokens [512, 64]"),
+], ids=["missing-hf-dir", "inconsistent-config", "bad-step", "not-a-checkpoint", "out-is-source",
+        "bad-size", "too-small-shards"])
+def test_convert_user_errors_are_one_line_exit_2(args, message, bad_convert_inputs):
+    assert_one_line_error(run_cli("glm46_jax.convert", *(a.format(**bad_convert_inputs) for a in args)), message)
+    assert not os.path.exists(bad_convert_inputs["out"])  # and nothing written

@@ -2,11 +2,16 @@
 the committed golden fixtures instead): random tiny configs, both directions of the conversion."""
 
 import dataclasses
+import glob
+import json
+import logging
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors import safe_open
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -62,6 +67,29 @@ def test_our_export_loads_in_transformers(tmp_path, mesh1):
     model = transformers.Glm4MoeForCausalLM.from_pretrained(
         str(tmp_path / "export"), attn_implementation="eager", experts_implementation="eager").eval()
     ids = np.random.default_rng(1).integers(0, 96, (2, 12))
+    with sharding.use_mesh(mesh1):
+        ours = jax.jit(lambda p, b, t: apply(graphdef, p, b, t).logits)(params, buffers, jnp.asarray(ids, jnp.int32))
+    np.testing.assert_allclose(np.asarray(ours), _hf_logits(model, ids), atol=1e-4)
+
+
+def test_save_pretrained_drops_mtp_and_the_main_model_still_loads(tmp_path, mesh1, caplog):
+    """transformers builds no MTP layer, so `save_pretrained` writes none, yet config.json keeps
+    num_nextn_predict_layers=1: the shape of every fine-tune published with transformers."""
+    cfg = dataclasses.replace(TINY, vocab_size=96)
+    assert cfg.num_nextn_predict_layers == 1
+    d = to_hf_config(cfg, torch_dtype="float32")
+    model = _hf_model({k: v for k, v in d.items() if k not in ("architectures", "model_type")}, seed=3)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    with open(tmp_path / "hf" / "config.json") as f:
+        assert json.load(f)["num_nextn_predict_layers"] == 1
+    names = [k for path in glob.glob(os.path.join(tmp_path, "hf", "*.safetensors"))
+             for k in safe_open(path, framework="numpy").keys()]
+    assert names and not [n for n in names if n.startswith(f"model.layers.{cfg.num_hidden_layers}.")]
+
+    with caplog.at_level(logging.WARNING):
+        loaded_cfg, graphdef, params, buffers = load_hf(str(tmp_path / "hf"), mesh1)
+    assert loaded_cfg.num_nextn_predict_layers == 0 and "without the MTP layer" in caplog.text
+    ids = np.random.default_rng(2).integers(0, 96, (2, 10))
     with sharding.use_mesh(mesh1):
         ours = jax.jit(lambda p, b, t: apply(graphdef, p, b, t).logits)(params, buffers, jnp.asarray(ids, jnp.int32))
     np.testing.assert_allclose(np.asarray(ours), _hf_logits(model, ids), atol=1e-4)

@@ -2,7 +2,9 @@
 and the HF checkpoint round trip."""
 
 import json
+import logging
 import os
+import re
 import shutil
 
 import jax
@@ -14,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 from conftest import FIXTURES
 from glm46_jax import sharding
+from glm46_jax.cli import InputError
 from glm46_jax.hf import load_hf, save_hf
 from glm46_jax.model import apply
 
@@ -122,7 +125,7 @@ def _broken_copy(tmp_path, edit):
 
 def test_missing_tensor_names_it_and_its_shape(tmp_path, mesh1):
     d = _broken_copy(tmp_path, lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
-    with pytest.raises(KeyError, match=r"model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight.*\[16, 32\]"):
+    with pytest.raises(InputError, match=r"model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight.*\[16, 32\]"):
         load_hf(d, mesh1)
 
 
@@ -130,7 +133,7 @@ def test_misshaped_tensor_names_it_and_both_shapes(tmp_path, mesh1):
     def edit(t):
         t["model.layers.0.self_attn.k_proj.weight"] = np.zeros((30, 32), np.float32)
     d = _broken_copy(tmp_path, edit)
-    with pytest.raises(ValueError, match=r"k_proj\.weight.*\[30, 32\].*expected \[32, 32\]"):
+    with pytest.raises(InputError, match=r"k_proj\.weight.*\[30, 32\].*expected \[32, 32\]"):
         load_hf(d, mesh1)
 
 
@@ -138,10 +141,74 @@ def test_unexpected_tensor_is_not_silently_dropped(tmp_path, mesh1):
     def edit(t):
         t["model.layers.7.mlp.gate.weight"] = np.zeros((8, 32), np.float32)
     d = _broken_copy(tmp_path, edit)
-    with pytest.raises(ValueError, match=r"model\.layers\.7\.mlp\.gate\.weight"):
+    with pytest.raises(InputError, match=r"model\.layers\.7\.mlp\.gate\.weight"):
         load_hf(d, mesh1)
 
 
 def test_missing_directory(tmp_path, mesh1):
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_hf(str(tmp_path / "nope"), mesh1)
+
+
+def without_mtp(src: str, dst: str, keep=lambda name: False) -> str:
+    """`src` as transformers' `save_pretrained` writes it: config.json unchanged (still
+    num_nextn_predict_layers=1) but no MTP tensors (layer `num_hidden_layers`), the rest in two shards
+    with their index. MTP tensors for which `keep(name)` is true stay (a partially dropped layer)."""
+    with open(os.path.join(src, "config.json")) as f:
+        mtp = f"model.layers.{json.load(f)['num_hidden_layers']}."
+    t = load_file(os.path.join(src, "model.safetensors"))
+    t = {k: v for k, v in t.items() if not k.startswith(mtp) or keep(k)}
+    os.makedirs(dst)
+    shutil.copy(os.path.join(src, "config.json"), dst)
+    names = sorted(t)
+    halves = {"model-00001-of-00002.safetensors": names[:len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for fname, keys in halves.items():
+        save_file({k: t[k] for k in keys}, os.path.join(dst, fname), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(v.nbytes for v in t.values())},
+             "weight_map": {k: fname for fname, keys in halves.items() for k in keys}}
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    return dst
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_dir_saved_by_transformers_without_mtp_loads_the_main_model(case, tmp_path, mesh1, caplog):
+    d = without_mtp(os.path.join(FIXTURES, case), str(tmp_path / "no_mtp"))
+    gold = np.load(os.path.join(FIXTURES, case, "golden.npz"))
+    with caplog.at_level(logging.WARNING):
+        cfg, graphdef, params, buffers = load_hf(d, mesh1)
+    warnings = [r.getMessage() for r in caplog.records if "MTP" in r.getMessage()]
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert re.search(r"no MTP tensors \(model\.layers\.3\.\*", warnings[0]), warnings[0]
+    assert cfg.num_nextn_predict_layers == 0 and "mtp" not in params and "mtp" not in buffers
+
+    out = _forward(mesh1, graphdef, params, buffers, gold)
+    assert out.mtp_logits is None
+    err = np.abs(np.asarray(out.logits) - gold["logits"]).max()
+    assert err <= 1e-4, f"main logits max |Δ| = {err}"
+    topk = np.sort(np.asarray(out.aux["router_topk"]).reshape(cfg.num_moe_layers, -1, cfg.num_experts_per_tok), -1)
+    np.testing.assert_array_equal(topk, gold["router_topk"])
+
+
+@pytest.mark.parametrize("drop_also, keep_mtp, missing", [
+    # One MTP tensor dropped: the layer is partially there, so it must be complete.
+    ((), lambda k: k != "model.layers.3.eh_proj.weight", r"'model\.layers\.3\.eh_proj\.weight' \(expected shape \[32, 64\]\)"),
+    # Only the MTP layer's copies of the embedding and head left: still a partial layer.
+    ((), lambda k: k.endswith((".embed_tokens.weight", ".shared_head.head.weight")), r"'model\.layers\.3\.[^']+' .* is missing"),
+    # The whole MTP layer absent is tolerated, a missing main-model tensor is not.
+    (("model.layers.1.mlp.gate.weight",), lambda k: False, r"'model\.layers\.1\.mlp\.gate\.weight' \(expected shape \[8, 32\]\)"),
+], ids=["one-mtp-tensor-missing", "only-mtp-copies-left", "main-tensor-missing"])
+def test_partially_missing_mtp_or_main_tensor_still_fails(drop_also, keep_mtp, missing, tmp_path, mesh1):
+    d = without_mtp(os.path.join(FIXTURES, "hf_full"), str(tmp_path / "broken"), keep_mtp)
+    for name in drop_also:  # rewrite the shard holding it, and the index
+        with open(os.path.join(d, "model.safetensors.index.json")) as f:
+            index = json.load(f)
+        fname = index["weight_map"].pop(name)
+        t = load_file(os.path.join(d, fname))
+        del t[name]
+        save_file(t, os.path.join(d, fname), metadata={"format": "pt"})
+        with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f)
+    with pytest.raises(InputError, match=missing):
+        load_hf(d, mesh1)

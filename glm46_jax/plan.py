@@ -17,7 +17,7 @@ Estimated (`activation_estimate`; a formula, not a compiled program's buffer ass
 XLA adds workspace, fragmentation and collective buffers on top, so leave a margin.
 
 The command line prints the table and exits 1 when the plan does not fit --device-memory,
-2 when the mesh is invalid for the model (the reason is printed).
+2 on a user error (a mesh the model cannot be laid out on, a bad flag): one `error: ...` line.
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from glm46_jax import sharding
+from glm46_jax import cli, sharding
 from glm46_jax.config import ModelConfig, model_config_from_dict
 from glm46_jax.counting import ParamCounts, flops_per_token, matmul_params_per_token, param_counts
 from glm46_jax.data import curriculum
-from glm46_jax.optim import LAYER_STACKS, optimizer_group, path_names
+from glm46_jax.model.paths import LAYER_STACKS, path_names
+from glm46_jax.optim import optimizer_group
 
 GiB = 1 << 30
 _OPT_BYTES = 4  # optimizer moments are fp32 whatever the parameter dtype
-_FSDP_LOGICAL = ("embed", "embed_moe")  # the logical axes sharding.weight() gathers before use
 
 
 # --- per-device bytes of an abstract leaf ----------------------------------------------------
@@ -299,30 +299,31 @@ def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None
     """Per-device memory of training `cfg` on a mesh of `mesh_sizes` (missing axes are 1).
 
     One axis may be -1 (the remaining devices) when `devices` is given; otherwise the mesh has
-    prod(sizes) devices. Raises ValueError with the reason (`sharding.mesh_shape`,
+    prod(sizes) devices. Raises cli.InputError (a ValueError) with the reason (`sharding.mesh_shape`,
     `sharding.validate_mesh`) when the model cannot be laid out on the mesh, and when
     `global_batch` is not a whole number of micro-steps.
     """
     if devices is None:
         if any(int(v) == -1 for v in mesh_sizes.values()):
-            raise ValueError(f"mesh {dict(mesh_sizes)}: an axis of -1 (the rest) needs the device count (--devices)")
+            raise cli.InputError(f"mesh {dict(mesh_sizes)}: an axis of -1 (the rest) needs the device count "
+                                 "(--devices)")
         devices = math.prod(int(v) for v in mesh_sizes.values())
     sizes = sharding.mesh_shape(mesh_sizes, devices)
     sharding.validate_mesh(sizes, cfg, global_batch)
     if micro_batch < 1 or seq_len < 1:
-        raise ValueError(f"micro_batch={micro_batch} and seq_len={seq_len} must be >= 1")
+        raise cli.InputError(f"--micro-batch={micro_batch} and --seq-len={seq_len} must be >= 1")
     remat = cfg.remat if remat is None else remat
     data_parallel = math.prod(sizes[a] for a in sharding.mesh_axes("batch"))
     if global_batch is not None and global_batch % (micro_batch * data_parallel):
-        raise ValueError(f"train.global_batch={global_batch} is not a multiple of micro-batch {micro_batch} x "
-                         f"{data_parallel} batch shards (data x expert) = {micro_batch * data_parallel}")
+        raise cli.InputError(f"train.global_batch={global_batch} is not a multiple of micro-batch {micro_batch} "
+                             f"x {data_parallel} batch shards (data x expert) = {micro_batch * data_parallel}")
 
     from glm46_jax.model import abstract_model  # the model pulls in flax; keep `--help` fast
 
     amesh = jax.sharding.AbstractMesh(tuple(sizes[a] for a in sharding.MESH_AXES), sharding.MESH_AXES,
                                       axis_types=(jax.sharding.AxisType.Explicit,) * len(sharding.MESH_AXES))
     _, params, buffers = abstract_model(cfg, amesh)
-    fsdp = {a for name in _FSDP_LOGICAL for a in sharding.mesh_axes(name)}
+    fsdp = {a for name in sharding.FSDP_LOGICAL for a in sharding.mesh_axes(name)}
 
     param_bytes = muon = adam = n_muon = n_adam = unique = 0
     layer_gathered: dict[str, int] = {}  # one layer of each stack (and the MTP layer), compute layout
@@ -368,31 +369,19 @@ def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None
 
 # --- command line ------------------------------------------------------------------------------
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-def parse_bytes(text: str) -> int:
-    """"80GiB", "80 GB", "85899345920" -> bytes (GB = 10^9, GiB = 2^30)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"device memory {text!r}: expected a number with an optional unit "
-                         f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 80GiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
 def parse_mesh(text: str) -> dict[str, int]:
     """"data=32,tensor=8,expert=32,pipeline=1" -> {axis: size}; missing axes are left out (size 1)."""
     sizes: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         m = re.fullmatch(r"(\w+)\s*=\s*(-?\d+)", part)
         if not m:
-            raise ValueError(f"--mesh={text!r}: {part!r} is not axis=size (axes: {', '.join(sharding.MESH_AXES)})")
+            raise cli.InputError(f"--mesh={text!r}: {part!r} is not axis=size (axes: "
+                                 f"{', '.join(sharding.MESH_AXES)})")
         if m.group(1) in sizes:
-            raise ValueError(f"--mesh={text!r}: axis {m.group(1)!r} given twice")
+            raise cli.InputError(f"--mesh={text!r}: axis {m.group(1)!r} given twice")
         sizes[m.group(1)] = int(m.group(2))
     if not sizes:
-        raise ValueError(f"--mesh={text!r}: no axis=size entries")
+        raise cli.InputError(f"--mesh={text!r}: no axis=size entries")
     return sizes
 
 
@@ -430,7 +419,7 @@ def _flags(argv: list[str]):
         raise SystemExit(0)
     fv(["glm46_jax.plan", *argv])
     if f["config"].value is None:
-        raise ValueError("--config is required, e.g. --config=configs/pretrain.py:glm45")
+        raise cli.InputError("--config is required, e.g. --config=configs/pretrain.py:glm45")
     return {"config_path": fv["config"].config_filename, **{k: v.value for k, v in f.items()}}
 
 
@@ -440,7 +429,7 @@ def main(argv: list[str] | None = None) -> PlanResult:
     config = args["config"]
     cfg = model_config_from_dict(config.model)
     mesh = parse_mesh(args["mesh"]) if args["mesh"] else dict(config.mesh)
-    memory = parse_bytes(args["device_memory"]) if args["device_memory"] else None
+    memory = cli.parse_bytes(args["device_memory"], "--device-memory") if args["device_memory"] else None
     # The batch shape of the curriculum's first step (its first phase, at the start of any batch ramp).
     first = curriculum.from_config(config.data.phases, config.data.phase_order).phases[0]
     seq_len = args["seq_len"] or first.seq_len
@@ -452,12 +441,9 @@ def main(argv: list[str] | None = None) -> PlanResult:
     return result
 
 
-if __name__ == "__main__":
-    from absl import flags as _absl_flags
+def _exit_code() -> int:
+    return 1 if main().fits is False else 0  # 1: the plan does not fit (a verdict, not a usage error)
 
-    try:
-        _result = main()
-    except (ValueError, _absl_flags.Error) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(1 if _result.fits is False else 0)
+
+if __name__ == "__main__":
+    cli.main_guard(_exit_code)

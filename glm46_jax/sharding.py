@@ -14,6 +14,8 @@ import jax
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
 
+from glm46_jax.cli import InputError
+
 MESH_AXES = ("data", "tensor", "expert", "pipeline")
 
 # logical name -> mesh axis (or tuple of axes, or None = replicated).
@@ -54,30 +56,47 @@ def make_mesh(shape: Mapping[str, int] | None = None, devices: Sequence[jax.Devi
 
 # Weights are stored FSDP-sharded over `data` but used gathered: these logical names are
 # replicated in the compute layout (the all-gather XLA inserts is the ZeRO-3 parameter gather).
-_FSDP_NAMES = frozenset({"embed", "embed_moe"})
+# The plan tool counts the gathered copies from the same set.
+FSDP_LOGICAL = frozenset({"embed", "embed_moe"})
 
 
 def mesh_shape(shape: Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
-    """Resolve a {axis: size} mapping (one size may be -1 = the remaining devices) over num_devices."""
+    """Resolve a {axis: size} mapping (one size may be -1 = the remaining devices) over num_devices.
+
+    A bad mesh is the user's (`mesh.<axis>` in the config, --mesh on the command line): InputError.
+    """
     shape = dict(shape or {"data": -1})
     unknown = sorted(set(shape) - set(MESH_AXES))
     if unknown:
-        raise ValueError(f"mesh axes {unknown} unknown; valid axes are {MESH_AXES}")
-    sizes = {a: int(shape.get(a, 1)) for a in MESH_AXES}
+        raise InputError(f"mesh.{unknown[0]}: unknown mesh axis; the axes are {', '.join(MESH_AXES)} "
+                         "(a missing axis has size 1)")
+    sizes = {}
+    for a in MESH_AXES:
+        try:
+            sizes[a] = int(shape.get(a, 1))
+        except (TypeError, ValueError):
+            raise InputError(f"mesh.{a}={shape[a]!r}: expected an integer size (or -1 for the remaining "
+                             "devices)") from None
+    given = " ".join(f"mesh.{a}={n}" for a, n in sizes.items())
     fill = [a for a, n in sizes.items() if n == -1]
     if len(fill) > 1:
-        raise ValueError(f"mesh {shape}: only one axis may be -1")
-    if any(n == 0 or n < -1 for n in sizes.values()):
-        raise ValueError(f"mesh {shape}: axis sizes must be positive (or -1 for the rest)")
+        raise InputError(f"{' and '.join(f'mesh.{a}=-1' for a in fill)}: only one axis may be -1 (the remaining "
+                         "devices); give the others a size")
+    bad = [a for a, n in sizes.items() if n == 0 or n < -1]
+    if bad:
+        raise InputError(f"mesh.{bad[0]}={sizes[bad[0]]}: an axis size must be >= 1 (or -1 for the remaining "
+                         "devices)")
     if fill:
         rest = math.prod(n for n in sizes.values() if n != -1)
         if num_devices % rest:
-            raise ValueError(f"mesh {shape}: the fixed axes multiply to {rest}, which does not divide "
-                             f"the {num_devices} devices")
+            raise InputError(f"mesh.{fill[0]}=-1 takes the remaining devices, but the fixed axes multiply to "
+                             f"{rest}, which does not divide the {num_devices} devices; choose sizes whose "
+                             f"product divides {num_devices}")
         sizes[fill[0]] = num_devices // rest
     if math.prod(sizes.values()) != num_devices:
-        raise ValueError(f"mesh {sizes} multiplies to {math.prod(sizes.values())} devices but there are "
-                         f"{num_devices}; make the axis sizes multiply to {num_devices} (or set one to -1)")
+        raise InputError(f"mesh ({given}) multiplies to {math.prod(sizes.values())} devices but there are "
+                         f"{num_devices}; make the mesh.* sizes multiply to {num_devices} (or set one to -1 "
+                         "for the remaining devices)")
     return sizes
 
 
@@ -86,15 +105,17 @@ def validate_mesh(sizes: Mapping[str, int], cfg, global_batch: int | None = None
     def need(dim: int, axes: tuple[str, ...], what: str, fix: str):
         n = math.prod(sizes.get(a, 1) for a in axes)
         if dim % n:
-            raise ValueError(f"{what}={dim} is not divisible by the {'x'.join(axes)} mesh size {n}; {fix}")
+            fields = " x ".join(f"mesh.{a}={sizes.get(a, 1)}" for a in axes)
+            raise InputError(f"{what}={dim} is not divisible by the {' x '.join(axes)} mesh size {n} ({fields}); "
+                             f"{fix}")
 
     tensor, expert = ("tensor",), ("expert",)
-    need(cfg.n_routed_experts, expert, "model.n_routed_experts", "choose an expert axis that divides it")
+    need(cfg.n_routed_experts, expert, "model.n_routed_experts", "choose a mesh.expert that divides it")
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
                   "vocab_size"):
-        need(getattr(cfg, field), tensor, f"model.{field}", "choose a tensor axis that divides it")
+        need(getattr(cfg, field), tensor, f"model.{field}", "choose a mesh.tensor that divides it")
     # Parameters are FSDP-sharded over `data` through their model dimension.
-    need(cfg.hidden_size, ("data",), "model.hidden_size", "choose a data axis that divides it")
+    need(cfg.hidden_size, ("data",), "model.hidden_size", "choose a mesh.data that divides it")
     if global_batch is not None:
         need(global_batch, mesh_axes("batch"), "train.global_batch",
              "the batch is split over the data and expert axes; make it a multiple of their product")
@@ -117,8 +138,8 @@ def weight(p: nnx.Variable, dtype=None) -> jax.Array:
     value = p[...]
     # Layers stacked for lax.scan keep the stack's ("layers", ...) names on each slice.
     names = tuple(p.get_metadata().get("out_sharding", ()))[-value.ndim:] if value.ndim else ()
-    if names and any(n in _FSDP_NAMES for n in names):
-        value = jax.sharding.reshard(value, logical(*(None if n in _FSDP_NAMES else n for n in names)))
+    if names and any(n in FSDP_LOGICAL for n in names):
+        value = jax.sharding.reshard(value, logical(*(None if n in FSDP_LOGICAL else n for n in names)))
     return value if dtype is None else value.astype(dtype)
 
 

@@ -1,17 +1,21 @@
 """The plan tool: per-device bytes and FLOPs against hand arithmetic, fit verdicts, mesh errors, CLI."""
 
 import os
+import subprocess
+import sys
 
 import jax
 import pytest
 
 from glm46_jax import plan as plan_lib
+from glm46_jax.cli import InputError
 from glm46_jax.config import GLM45, TINY
 from glm46_jax.counting import flops_per_token, param_counts
 from glm46_jax.model import abstract_model
 
 GiB = 1 << 30
-CONFIG = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "pretrain.py")
+ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
+CONFIG = os.path.join(ROOT, "configs", "pretrain.py")
 MESH_8192 = {"data": 32, "tensor": 8, "expert": 32, "pipeline": 1}
 MESH_256 = {"data": 4, "tensor": 8, "expert": 8, "pipeline": 1}
 
@@ -139,14 +143,43 @@ def test_parsers():
     assert plan_lib.parse_mesh("data=32,tensor=8,expert=32,pipeline=1") == MESH_8192
     assert plan_lib.parse_mesh("data=-1, expert=8") == {"data": -1, "expert": 8}
     for bad in ("data=4,tensor", "data=4,data=2", ""):
-        with pytest.raises(ValueError, match="--mesh="):
+        with pytest.raises(InputError, match="--mesh="):
             plan_lib.parse_mesh(bad)
-    assert plan_lib.parse_bytes("80GiB") == 80 * GiB
-    assert plan_lib.parse_bytes("80 GB") == 80 * 10**9
-    assert plan_lib.parse_bytes("141gb") == 141 * 10**9
-    assert plan_lib.parse_bytes("1024") == 1024
-    with pytest.raises(ValueError, match="e.g. 80GiB"):
-        plan_lib.parse_bytes("80 potatoes")
+
+
+def test_device_memory_takes_every_size_form(capsys):
+    """--device-memory=80e9 is 80 GB exactly as 80GB is (it was refused once: plan had a parser of its own)."""
+    verdicts = set()
+    for text in ("80e9", "80GB", "80 GB", "8e10"):
+        r = plan_lib.main([f"--config={CONFIG}:tiny", "--mesh=data=1", f"--device-memory={text}"])
+        assert r.device_memory == 80_000_000_000, text
+        verdicts.add(r.verdict())
+    (verdict,) = verdicts
+    assert verdict.startswith("FITS: ") and " of 74.51 GiB per device" in verdict  # 80e9 / 2^30
+    r = plan_lib.main([f"--config={CONFIG}:tiny", "--mesh=data=1", "--device-memory=80GiB"])
+    assert r.device_memory == 80 * GiB
+    capsys.readouterr()
+
+
+def test_cli_exit_codes():
+    """A user's mistake: exit 2 and one `error:` line naming the flag, no traceback. Not fitting: exit 1."""
+    base = [sys.executable, "-m", "glm46_jax.plan", f"--config={CONFIG}:tiny"]
+    cases = {  # flags -> (exit code, what stderr says)
+        ("--mesh=data=4,tensor",): (2, "error: --mesh='data=4,tensor': 'tensor' is not axis=size"),
+        ("--mesh=data=1", "--device-memory=80 potatoes"): (2, "error: --device-memory='80 potatoes': expected"),
+        ("--mesh=data=1", "--device-memory=1MB"): (1, ""),
+    }
+    procs = {flags: subprocess.Popen(base + list(flags), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True) for flags in cases}  # in parallel: each pays jax's import
+    for flags, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        code, message = cases[flags]
+        assert proc.returncode == code, (flags, err)
+        if code == 2:
+            assert err.startswith(message) and err.count("\n") == 1, (flags, err)
+            assert out == ""
+        else:
+            assert err == "" and "DOES NOT FIT: needs" in out, (flags, err)
 
 
 def test_cli(capsys):

@@ -3,6 +3,7 @@ parameter/gradient layouts against the rule table, capacity drops, and mesh vali
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from flax import nnx
 
 from glm46_jax import sharding
+from glm46_jax.cli import InputError
 from glm46_jax.config import TINY
 from glm46_jax.model import abstract_model, apply, init_model
 from glm46_jax.model.moe import dispatch
@@ -122,7 +124,7 @@ def test_parameters_are_created_sharded_and_grads_keep_the_layout():
     assert _specs(buffers)["moe_layers/mlp/e_score_correction_bias"] == P(None, None)
     # A shard of the expert weights holds 4 experts' halves, not the whole tensor.
     w = params["moe_layers"]["mlp"]["gate_proj"].get_value()
-    assert w.addressable_shards[0].data.shape == (1, 4, 32, 16)
+    chex.assert_shape(w.addressable_shards[0].data, (1, 4, 32, 16))
     tokens = jax.device_put(jnp.zeros((BATCH, 16), jnp.int32), jax.NamedSharding(mesh, sharding.logical("batch", "seq")))
     with sharding.use_mesh(mesh):
         _, grads = jax.jit(_loss(graphdef))(params, buffers, tokens)
@@ -187,10 +189,14 @@ def test_capacity_output_matches_hand_computed_survivors():
 
 
 @pytest.mark.parametrize("shape, cfg, batch, message", [
-    ({"data": 3}, CFG, None, "multiplies to 3 devices but there are 8"),
-    ({"data": 2, "expert": 3, "tensor": -1}, CFG, None, "fixed axes multiply to 6"),
+    ({"data": 3}, CFG, None, r"multiplies to 3 devices but there are 8; make the mesh\.\* sizes multiply to 8"),
+    ({"data": 2, "expert": 3, "tensor": -1}, CFG, None, "mesh.tensor=-1 .* fixed axes multiply to 6"),
+    ({"data": -1, "expert": -1}, CFG, None, "mesh.data=-1 and mesh.expert=-1: only one axis may be -1"),
+    ({"data": 8, "tensor": 0}, CFG, None, "mesh.tensor=0: an axis size must be >= 1"),
+    ({"data": 8, "model": 1}, CFG, None, "mesh.model: unknown mesh axis; the axes are data, tensor, expert"),
+    ({"data": "eight"}, CFG, None, "mesh.data='eight': expected an integer size"),
     ({"data": 1, "expert": 8}, dataclasses.replace(CFG, n_routed_experts=12, n_group=1, topk_group=1),
-     None, "n_routed_experts=12 is not divisible by the expert mesh size 8"),
+     None, r"n_routed_experts=12 is not divisible by the expert mesh size 8 \(mesh.expert=8\); choose a mesh.expert"),
     ({"data": 1, "tensor": 8}, CFG, None, "num_key_value_heads=4 is not divisible by the tensor mesh size 8"),
     ({"data": 2, "tensor": 4}, dataclasses.replace(CFG, num_attention_heads=6, num_key_value_heads=2), None,
      "num_attention_heads=6 is not divisible by the tensor mesh size 4"),
@@ -199,15 +205,17 @@ def test_capacity_output_matches_hand_computed_survivors():
     ({"data": 2, "tensor": 4}, dataclasses.replace(CFG, moe_intermediate_size=30), None,
      "moe_intermediate_size=30 is not divisible"),
     ({"data": 2, "tensor": 4}, dataclasses.replace(CFG, vocab_size=130), None, "vocab_size=130 is not divisible"),
-    ({"data": 4, "expert": 2}, CFG, 12, "global_batch=12 is not divisible by the dataxexpert mesh size 8"),
+    ({"data": 4, "expert": 2}, CFG, 12,
+     r"global_batch=12 is not divisible by the data x expert mesh size 8 \(mesh.data=4 x mesh.expert=2\)"),
 ])
 def test_invalid_meshes_say_what_to_change(shape, cfg, batch, message):
-    with pytest.raises(ValueError, match=message):
+    # InputError: the CLIs print it as one `error:` line (exit 2) instead of a traceback.
+    with pytest.raises(InputError, match=message):
         sharding.make_mesh(shape, cfg=cfg, global_batch=batch)
 
 
 def test_ragged_alltoall_is_refused_clearly():
-    with pytest.raises(ValueError, match="ModelConfig.moe_dispatch: 'ragged_alltoall'"):
+    with pytest.raises(ValueError, match=r"moe_dispatch\W+'ragged_alltoall'.*\(a ragged all-to-all needs a GPU/TPU"):
         dataclasses.replace(CFG, moe_dispatch="ragged_alltoall")
 
 
@@ -217,6 +225,5 @@ def test_init_on_a_mesh_equals_single_device_init(mesh1):
     # The same random bits on both (the key is split the same way); the normal transform is compiled into
     # differently partitioned programs, and on some CPUs (seen on AVX-512) rounds 1 element of 512 one ulp
     # apart. A wrong key or layout would differ everywhere by O(initializer_range).
-    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p8), strict=True):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=0)
+    chex.assert_trees_all_close(p8, p1, rtol=1e-6, atol=0)
     assert isinstance(p8, nnx.State)

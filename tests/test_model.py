@@ -2,7 +2,9 @@
 packed rows vs documents alone, and the alternative attention / remat paths vs the reference path."""
 
 import dataclasses
+import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ from flax import nnx
 
 from glm46_jax import sharding
 from glm46_jax.config import TINY
-from glm46_jax.model import apply, init_model
+from glm46_jax.model import abstract_model, apply, init_model
 from glm46_jax.model.experts import grouped_experts
 
 CFG = dataclasses.replace(TINY, vocab_size=128)
@@ -154,8 +156,7 @@ def test_remat_policies_give_the_same_gradients(mesh1):
         with sharding.use_mesh(mesh1):
             grads.append(jax.jit(jax.grad(loss))(params, buffers))
     for other in grads[1:]:
-        for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(other)):
-            np.testing.assert_allclose(a, b, atol=1e-6)
+        chex.assert_trees_all_close(grads[0], other, rtol=1e-7, atol=1e-6)  # rtol: numpy's default, as before
 
 
 def test_bf16_compute_tracks_fp32(mesh1):
@@ -203,5 +204,27 @@ def test_grouped_experts_gradients_match_naive_autodiff(capacity, offset):
 
     args = (x, w, wg, wu, wd)
     np.testing.assert_allclose(grouped(*args), naive(*args), rtol=1e-5)
-    for a, b in zip(jax.grad(grouped, argnums=range(5))(*args), jax.grad(naive, argnums=range(5))(*args)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(jax.grad(grouped, argnums=range(5))(*args), jax.grad(naive, argnums=range(5))(*args),
+                                rtol=1e-4, atol=1e-5)
+
+
+def test_named_scopes_reach_the_program(mesh1):
+    """A GPU profile groups ops by `jax.named_scope`: the scopes must be in the lowered program's op names,
+    nested as the model nests them (the MTP layer is a whole MoE decoder layer of its own)."""
+    graphdef, params, buffers = abstract_model(CFG, mesh1)
+    with sharding.use_mesh(mesh1):
+        lowered = jax.jit(lambda p, b, t: apply(graphdef, p, b, t)).lower(
+            params, buffers, jax.ShapeDtypeStruct((2, 8), jnp.int32))
+    # Op locations look like loc("jit(<lambda>)/moe_layers/while/body/.../moe/router/dot_general"); file
+    # names (attention.py) are locations too, so only the jit(...)-rooted op paths count.
+    ops = [name.split("/") for name in re.findall(r'loc\("(jit\([^"]*)"', lowered.as_text(debug_info=True))]
+
+    def has(*scopes):  # some op path holds `scopes` as consecutive components
+        n = len(scopes)
+        return any(path[i:i + n] == list(scopes) for path in ops for i in range(len(path)))
+
+    assert has("dense_layers") and has("moe_layers") and has("mtp", "moe") and has("lm_head")
+    assert has("attention") and has("mlp")
+    assert has("moe", "router") and has("moe", "moe_dispatch") and has("moe", "shared_expert")
+    assert has("moe_dispatch", "experts")  # the grouped matmul runs inside the dispatch's shard_map
+    assert not has("no_such_scope")

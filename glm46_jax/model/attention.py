@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import einops
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -40,6 +41,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(c, cfg)
         self.cfg = cfg
 
+    @jax.named_scope("attention")  # op names in profiles and HLO dumps: .../attention/...
     def __call__(self, x: Float[Array, "b s d"], cos: Array, sin: Array,
                  mask: Bool[Array, "b 1 s t"]) -> Float[Array, "b s d"]:
         cfg, dt = self.cfg, x.dtype
@@ -64,12 +66,10 @@ class Attention(nnx.Module):
 
 def _xla_attention(q, k, v, mask, scale):
     # The reference path: HF eager semantics (scores in the activation dtype, softmax in fp32).
-    b, s, h, c = q.shape
-    n_kv = k.shape[2]
     # Query head h uses kv head h // g (HF repeat_kv), so heads split as (kv head, group member).
-    q = q.reshape(b, s, n_kv, h // n_kv, c)
+    q = einops.rearrange(q, "b s (k g) c -> b s k g c", k=k.shape[2])
     scores = jnp.einsum("bskgc,btkc->bkgst", q, k) * scale
     scores = jnp.where(mask[:, :, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgst,btkc->bskgc", probs, v)
-    return out.reshape(b, s, h, c)
+    return einops.rearrange(out, "b s k g c -> b s (k g) c")

@@ -35,6 +35,7 @@ def expert_capacity(num_tokens: int, cfg: ModelConfig) -> int:
     return max(1, min(num_tokens, math.ceil(cfg.moe_capacity_factor * per_expert)))
 
 
+@jax.named_scope("experts")
 def grouped_experts(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float[Array, "n k"],
                     w_gate_edf: Array, w_up_edf: Array, w_down_efd: Array, capacity: int,
                     expert_offset: Array | int = 0) -> tuple[Float[Array, "n d"], Int[Array, ""]]:

@@ -46,6 +46,7 @@ def route(x: Float[Array, "n d"], w_router_de: Array, bias_e: Array,
     return idx, weights * cfg.routed_scaling_factor, scores
 
 
+@jax.named_scope("moe_dispatch")  # the shard_map and its collectives; "experts" inside is the local compute
 def dispatch(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float[Array, "n k"],
              w_gate_edf: Array, w_up_edf: Array, w_down_efd: Array,
              cfg: ModelConfig) -> tuple[Float[Array, "n d"], Array, Int[Array, "e"]]:
@@ -156,11 +157,14 @@ class MoE(nnx.Module):
         cfg = self.cfg
         b, s, d = x.shape
         x_nd = x.reshape(b * s, d)
-        idx, weights, scores = route(x_nd, weight(self.router), self.e_score_correction_bias[...], cfg)
+        with jax.named_scope("router"):
+            idx, weights, scores = route(x_nd, weight(self.router), self.e_score_correction_bias[...], cfg)
         routed, dropped, load = dispatch(
             x_nd, idx, weights, weight(self.gate_proj), weight(self.up_proj), weight(self.down_proj), cfg)
+        with jax.named_scope("shared_expert"):
+            shared = self.shared_experts(x)
         # Pin the layout: with a batch of 1 the reshape would otherwise move the token sharding to seq.
-        y = constrain(routed.reshape(b, s, d), "batch", "seq", "act_embed") + self.shared_experts(x)
+        y = constrain(routed.reshape(b, s, d), "batch", "seq", "act_embed") + shared
         aux = {
             "expert_load": load,  # global top-k counts
             "dropped_frac": dropped,

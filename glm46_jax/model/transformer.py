@@ -29,9 +29,11 @@ class DecoderLayer(nnx.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
-            y, aux = self.mlp(h)
+            with jax.named_scope("moe"):
+                y, aux = self.mlp(h)
         else:
-            y, aux = self.mlp(h), {}
+            with jax.named_scope("mlp"):
+                y, aux = self.mlp(h), {}
         return x + y, aux
 
 
@@ -120,25 +122,30 @@ class GLMMoE(nnx.Module):
 
         x = embed.at[tokens].get(out_sharding=act).astype(dt)
         aux: dict[str, Any] = {}
+        # Scopes named like the parameter subtrees, so a profile's ops map onto the checkpoint's names.
         if self.dense_layers is not None:
-            x, _ = _run_stack(self.dense_layers, x, cos, sin, mask, cfg)
+            with jax.named_scope("dense_layers"):
+                x, _ = _run_stack(self.dense_layers, x, cos, sin, mask, cfg)
         if self.moe_layers is not None:
-            x, aux = _run_stack(self.moe_layers, x, cos, sin, mask, cfg)
+            with jax.named_scope("moe_layers"):
+                x, aux = _run_stack(self.moe_layers, x, cos, sin, mask, cfg)
         hidden = self.norm(x)
         head = weight(self.lm_head, dt)
-        logits = jnp.einsum("bsd,dv->bsv", hidden, head)
+        with jax.named_scope("lm_head"):
+            logits = jnp.einsum("bsd,dv->bsv", hidden, head)
 
         mtp_logits = None
         if with_mtp and self.mtp is not None:
-            # Shift by one inside the row; the wrapped last row is never a valid target.
-            next_emb = embed.at[jnp.roll(tokens, -1, axis=1)].get(out_sharding=act).astype(dt)
-            mtp_graphdef, mtp_state = nnx.split(self.mtp)
+            with jax.named_scope("mtp"):
+                # Shift by one inside the row; the wrapped last row is never a valid target.
+                next_emb = embed.at[jnp.roll(tokens, -1, axis=1)].get(out_sharding=act).astype(dt)
+                mtp_graphdef, mtp_state = nnx.split(self.mtp)
 
-            def mtp(state, *args):
-                return nnx.merge(mtp_graphdef, state)(*args)
-            if cfg.remat != "none":  # a whole MoE layer: remat it like the trunk's layers
-                mtp = jax.checkpoint(mtp, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-            z, mtp_aux = mtp(mtp_state, hidden, next_emb, cos, sin, mask)
-            mtp_logits = jnp.einsum("bsd,dv->bsv", z, head)
+                def mtp(state, *args):
+                    return nnx.merge(mtp_graphdef, state)(*args)
+                if cfg.remat != "none":  # a whole MoE layer: remat it like the trunk's layers
+                    mtp = jax.checkpoint(mtp, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+                z, mtp_aux = mtp(mtp_state, hidden, next_emb, cos, sin, mask)
+                mtp_logits = jnp.einsum("bsd,dv->bsv", z, head)
             aux = {"mtp": mtp_aux, **aux}
         return ModelOutput(logits=logits, hidden=hidden, mtp_logits=mtp_logits, aux=aux)

@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/checkpoint_save.py --config=configs/pretrain.py:small \
         --config.model.num_hidden_layers=4      # the small preset's widths, fewer layers (host RAM)
 
-The state is `build(config)`'s: params + Muon/AdamW state + correction biases, exactly what `train`
+The state is `pretrain.build`'s: params + Muon/AdamW state + correction biases, exactly what `train`
 checkpoints, written by the same `Checkpointer` into a temporary directory. For each mode it saves
 `--saves` times; "blocking" is the time `Checkpointer.save` holds the caller (with async saving: the
 copy off the devices, then the write runs in Orbax's background thread), "total" is until the step
@@ -21,10 +21,12 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from glm46_jax.build import build
+from glm46_jax import cli
+from glm46_jax.pretrain import build
+from glm46_jax.run_config import from_config_dict
 from glm46_jax.checkpoint import Checkpointer
 
 _SAVES = flags.DEFINE_integer("saves", 5, "Saves timed per mode.")
@@ -55,13 +57,12 @@ def _time_saves(directory: str, state, saves: int, async_save: bool) -> tuple[li
 
 def main(argv):
     del argv
-    config = flags.FLAGS.config
-    run = build(config)
-    state = run.state
+    cfg = from_config_dict(flags.FLAGS.config)
+    run, state = build(cfg)
     leaves = jax.tree.leaves((state.params, state.buffers, state.opt_state))
     state_bytes = sum(x.size * x.dtype.itemsize for x in leaves)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
-    result = {"preset": config.model.preset, "num_hidden_layers": run.model_cfg.num_hidden_layers,
+    result = {"preset": cfg.source["model"]["preset"], "num_hidden_layers": cfg.model.num_hidden_layers,
               "params": n_params, "state_gib": state_bytes / 2**30, "mesh": dict(run.mesh.shape),
               "device": f"{jax.devices()[0].device_kind} x{jax.device_count()} ({platform.processor() or 'cpu'})",
               "commit": _commit(), "saves": _SAVES.value}
@@ -87,4 +88,4 @@ def main(argv):
 if __name__ == "__main__":
     config_flags.DEFINE_config_file("config", None, "Training config, e.g. configs/pretrain.py:tiny.",
                                       lock_config=True)
-    app.run(main)
+    cli.run_absl(main)

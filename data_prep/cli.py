@@ -25,18 +25,12 @@ from data_prep.inputs import ReaderOptions, parse_input
 from data_prep.minhash import MinHashConfig
 from data_prep.quality import parse_rule_override
 from data_prep.tokenizer import EOS_TOKEN
-from glm46_jax import atomic
+from glm46_jax import atomic, cli
 from glm46_jax.cli import InputError
 
 # A mistake in what the user gave; anything else is a bug and keeps its traceback. Path errors count:
 # the user named the path.
 USER_ERRORS = (ValueError, ImportError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        # argparse prints the whole usage block first; one line with the message is what gets read.
-        self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
 
 
 # --- argument groups ----------------------------------------------------------------------------------
@@ -106,7 +100,7 @@ def _add_sample(p: Parser) -> None:
 
 
 def build_parser() -> Parser:
-    parser = Parser(prog="python -m data_prep", description=__doc__,
+    parser = cli.ArgumentParser(prog="python -m data_prep", description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -255,9 +249,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        run(args)
+        run(build_parser().parse_args(argv))
     except USER_ERRORS as err:
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         print(f"error: {' | '.join(lines) or type(err).__name__}", file=sys.stderr)

@@ -3,7 +3,7 @@
     python -m glm46_jax.bench --config=configs/pretrain.py:tiny [--steps=20 --warmup=3 --out=bench.json]
     python -m glm46_jax.bench --config=configs/pretrain.py:small --config.data.phases.general.global_batch=8
 
-The step is exactly `train`'s (`train.build`: Muon + AdamW, loss-free balancing, MTP and aux
+The step is exactly `train`'s (`pretrain.build`: Muon + AdamW, loss-free balancing, MTP and aux
 losses, accumulation and remat from the config); tokens are uniform random ids, which cost the
 same FLOPs as text. Prints a table and one JSON line; `--out` also writes the JSON.
 
@@ -22,13 +22,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from glm46_jax import metrics, sharding
-from glm46_jax.build import build
+from glm46_jax import cli, metrics, pretrain, run_config, sharding
+from glm46_jax.cli import InputError
+from glm46_jax.run_config import RunConfig
 
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps after compilation.")
@@ -44,16 +44,18 @@ def _commit() -> str:
         return "unknown"
 
 
-def bench(config: ml_collections.ConfigDict, steps: int = 20, warmup: int = 3,
+def bench(cfg: RunConfig, steps: int = 20, warmup: int = 3,
           devices: Sequence[jax.Device] | None = None, phase_name: str | None = None) -> dict[str, Any]:
     """Time the train step at a curriculum phase's shapes (default: the first phase, full batch)."""
     if steps < 1 or warmup < 0:
-        raise ValueError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
-    run = build(config, devices)
-    state, run.state = run.state, None
-    phase = next(p for p in run.curriculum.phases if p.name == phase_name) if phase_name else run.curriculum.phases[0]
+        raise InputError(f"--steps={steps} must be >= 1 and --warmup={warmup} >= 0")
+    phases = {p.name: p for p in cfg.data.curriculum.phases}
+    if phase_name is not None and phase_name not in phases:
+        raise InputError(f"--phase={phase_name!r}: the curriculum's phases are {list(phases)}")
+    run, state = pretrain.build(cfg, devices)
+    phase = phases[phase_name] if phase_name else cfg.data.curriculum.phases[0]
     rows, seq_len = phase.global_batch, phase.seq_len
-    x = np.random.default_rng(config.train.seed).integers(0, run.model_cfg.vocab_size, (rows, seq_len + 1))
+    x = np.random.default_rng(cfg.train.seed).integers(0, cfg.model.vocab_size, (rows, seq_len + 1))
     devs = list(run.mesh.devices.flatten())
     with sharding.use_mesh(run.mesh):
         # One process's rows (bench runs as a single process).
@@ -76,14 +78,14 @@ def bench(config: ml_collections.ConfigDict, steps: int = 20, warmup: int = 3,
     step_s = float(np.median(times))
     flops = run.flops_per_token(phase) * tokens / step_s
     return {
-        "preset": config.model.get("preset", "?"), "device": f"{len(devs)} x {devs[0].device_kind}",
+        "preset": cfg.source.get("model", {}).get("preset", "?"), "device": f"{len(devs)} x {devs[0].device_kind}",
         "commit": _commit(), "phase": phase.name, "global_batch": rows, "seq_len": seq_len,
-        "accum_steps": run.accum_steps, "dtype": run.model_cfg.dtype, "remat": run.model_cfg.remat,
+        "accum_steps": cfg.train.accum_steps, "dtype": cfg.model.dtype, "remat": cfg.model.remat,
         "compile_s": compile_s, "step_s_median": step_s, "step_s_min": float(np.min(times)),
         "step_s_max": float(np.max(times)), "tokens_per_s": tokens / step_s,
         "model_flops_per_token": run.flops_per_token(phase), "achieved_tflops": flops / 1e12,
         "peak_tflops": peak_flops / 1e12 if peak_flops else None, "peak_source": peak_source,
-        "mfu": flops / peak_flops if peak_flops else None,
+        "mfu": metrics.mfu(run.flops_per_token(phase), tokens / step_s, 1, peak_flops) if peak_flops else None,
         "peak_memory_gib": (metrics.device_memory_peak_bytes(devs[0]) or 0) / 2**30,
         "memory_source": "host RSS" if devs[0].platform == "cpu" else "device peak_bytes_in_use (device 0)",
         "final_loss": float(m["loss"]), "steps": steps, "warmup": warmup,
@@ -108,7 +110,8 @@ def _table(r: dict[str, Any]) -> str:
 
 def main(argv):
     del argv
-    result = bench(flags.FLAGS.config, _STEPS.value, _WARMUP.value, phase_name=_PHASE.value)
+    cfg = run_config.from_config_dict(flags.FLAGS.config)
+    result = bench(cfg, _STEPS.value, _WARMUP.value, phase_name=_PHASE.value)
     if jax.process_index() == 0:
         print(_table(result))
         print(json.dumps(result))
@@ -121,4 +124,4 @@ if __name__ == "__main__":
     # Defined here, not at import: bench and train each own a --config flag.
     config_flags.DEFINE_config_file("config", None, "Training config, e.g. configs/pretrain.py:tiny.",
                                       lock_config=True)
-    app.run(main)
+    cli.run_absl(main)

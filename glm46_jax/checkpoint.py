@@ -27,7 +27,6 @@ import dataclasses
 import json
 import logging as std_logging
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -37,6 +36,7 @@ from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from glm46_jax.cli import InputError
 from glm46_jax.config import RUNTIME_FIELDS, ModelConfig, model_config_from_dict
 from glm46_jax.model import abstract_model
 
@@ -86,8 +86,13 @@ def _manager(directory: str, every: int = 1, keep: int | None = None, *, async_s
     if best_metric:
         policies.append(ocp.checkpoint_managers.BestN(
             get_metric_fn=lambda m: m[best_metric], reverse=True, n=1, keep_checkpoints_without_metrics=False))
+    # Every `every` steps, or when a preemption notice reached any process; spelled out because the
+    # default policy also saves the first step it is asked about (Orbax's InitialSavePolicy).
+    decision = ocp.checkpoint_managers.AnySavePolicy([
+        ocp.checkpoint_managers.FixedIntervalPolicy(max(int(every), 1)),
+        ocp.checkpoint_managers.PreemptionCheckpointingPolicy()])
     options = ocp.CheckpointManagerOptions(
-        save_interval_steps=max(int(every), 1), enable_async_checkpointing=async_save, create=True,
+        save_decision_policy=decision, enable_async_checkpointing=async_save, create=True,
         preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies))
     return ocp.CheckpointManager(directory, item_names=ITEMS, options=options)
 
@@ -102,12 +107,11 @@ class Checkpointer:
     def __init__(self, run_dir: str, *, every: int, keep: int | None = 3, async_save: bool = True,
                  best_metric: str | None = None):
         self.directory = os.path.join(os.path.abspath(run_dir), CHECKPOINTS)
-        self.every = max(int(every), 1)
-        self._mngr = _manager(self.directory, self.every, keep, async_save=async_save, best_metric=best_metric)
+        self._mngr = _manager(self.directory, every, keep, async_save=async_save, best_metric=best_metric)
 
-    def due(self, step: int) -> bool:
-        """A regular save is due after `step`."""
-        return step % self.every == 0
+    def should_save(self, step: int) -> bool:
+        """A regular save is due after `step` (Orbax's interval policy, or a preemption notice)."""
+        return self._mngr.should_save(step)
 
     def preemption_step(self, step: int) -> bool:
         """With several processes: a preemption notice reached one of them and all agreed to save
@@ -116,7 +120,10 @@ class Checkpointer:
 
     def save(self, step: int, state, data_state: Any, meta: dict[str, Any],
              metrics: dict[str, float] | None = None) -> None:
-        """Start writing `step` (async: returns once the arrays are copied off the devices)."""
+        """Start writing `step` (async: returns once the arrays are copied off the devices).
+
+        Always saves: callers ask `should_save` first, and save regardless at the end and on preemption.
+        """
         args = ocp.args.Composite(
             model=ocp.args.StandardSave(_model_tree(state.params, state.buffers)),
             optimizer=ocp.args.StandardSave({"step": state.step, "opt_state": state.opt_state}),
@@ -188,6 +195,40 @@ class Checkpointer:
         self._mngr.close()
 
 
+def resume_or_init(ckpt: Checkpointer, state, *, resume: str, init_from: str, model_cfg: ModelConfig,
+                   mesh: jax.sharding.Mesh, shared_data: bool = False) -> tuple[int, Any, Any | None]:
+    """(first step to run, state, data-iterator state to continue from or None) for a starting run.
+
+    resume="auto": the newest complete checkpoint in `ckpt`, if any. Otherwise a fresh start: from
+    `state` as initialised, or with `init_from` (another run's or an HF import's checkpoint) the
+    weights of that checkpoint, whose architecture must be `model_cfg`'s. resume="never" refuses a
+    run dir that already holds checkpoints: starting over would overwrite them.
+    """
+    if resume == "auto":
+        restored = ckpt.restore_latest(state, shared_data=shared_data)
+        if restored is not None:
+            step, state, data_state, _ = restored
+            logging.info("resumed from %s (step %d)", ckpt.directory, step)
+            return step + 1, state, data_state
+    elif ckpt.steps():
+        raise InputError(f"{ckpt.directory} already holds checkpoints {ckpt.steps()} and checkpoint.resume=never: "
+                         "use a new --config.run_dir, or --config.checkpoint.resume=auto to continue that run")
+    if init_from:  # mid-training / fine-tuning: the weights of another run or an HF import
+        init_cfg, _, params, buffers = load_params(init_from, mesh)
+        differ = {f.name for f in dataclasses.fields(init_cfg) if f.name not in RUNTIME_FIELDS + ("rope_theta",)
+                  and getattr(init_cfg, f.name) != getattr(model_cfg, f.name)}
+        if differ:
+            raise InputError(f"checkpoint.init_from={init_from}: its model differs from config.model in "
+                             f"{sorted(differ)}; set those config.model fields to the checkpoint's values")
+        fresh = read_meta(latest_checkpoint(init_from)).get("fresh_init") or []
+        if fresh:
+            logging.warning("checkpoint.init_from=%s: %s were not in the imported weights and start from a fresh "
+                            "initialisation", init_from, ", ".join(fresh))
+        logging.info("initialised the weights from %s", init_from)
+        state = state.replace(params=params, buffers=buffers)
+    return 1, state, None
+
+
 # --- weights only: final params, scoring, export --------------------------------------------
 
 def save_params(directory: str | os.PathLike, step: int, params: nnx.State, buffers: nnx.State,
@@ -203,13 +244,6 @@ def save_params(directory: str | os.PathLike, step: int, params: nnx.State, buff
     return os.path.join(directory, str(int(step)))
 
 
-def _step_dirs(path: str) -> Iterator[tuple[int, str]]:
-    if os.path.isdir(path):
-        for d in os.listdir(path):
-            if d.isdigit() and os.path.isfile(os.path.join(path, d, "meta", "metadata")):
-                yield int(d), os.path.join(path, d)
-
-
 def latest_checkpoint(path: str | os.PathLike) -> str:
     """A step directory from a step dir, a `checkpoints/` dir, or a run dir (the highest step wins)."""
     path = os.path.abspath(os.fspath(path))
@@ -217,11 +251,13 @@ def latest_checkpoint(path: str | os.PathLike) -> str:
         return path
     if os.path.isdir(os.path.join(path, CHECKPOINTS)):
         path = os.path.join(path, CHECKPOINTS)
-    steps = dict(_step_dirs(path))
+    # Orbax lists committed steps only (a save cut off mid-write keeps its temporary name).
+    steps = ocp.utils.checkpoint_steps(path) if os.path.isdir(path) else []
+    steps = [s for s in steps if os.path.isfile(os.path.join(path, str(s), "meta", "metadata"))]
     if not steps:
         raise FileNotFoundError(f"{path}: not a checkpoint: no complete <step>/ directory (with meta/ and model/) "
-                                "found. Pass a run dir, its checkpoints/ dir or one step dir.")
-    return steps[max(steps)]
+                         "found. Pass a run dir, its checkpoints/ dir or one step dir.")
+    return os.path.join(path, str(max(steps)))
 
 
 def read_meta(step_dir: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@
 
     if __name__ == "__main__":
         cli.main_guard(main)          # InputError & co -> "error: <message>" on stderr, exit 2
+        cli.run_absl(main)            # the same for an absl app, flag parsing included
 
 A mistake in what the user gave (a config value, a mesh, a path, a corpus) is an `InputError`:
 one line naming the field or file and what to do, exit code 2, no traceback. Anything else is an
@@ -13,6 +14,7 @@ ValueError (and tests written against it) keep working.
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from collections.abc import Callable
@@ -21,6 +23,14 @@ from typing import Any
 
 class InputError(ValueError):
     """Something the user gave is wrong; the message names it and says what to do."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the argparse CLIs (score, convert, data_prep): a bad flag is a user's mistake like any
+    other, raised as `InputError` (one line, exit 2), instead of argparse's usage block + exit."""
+
+    def error(self, message: str):
+        raise InputError(f"{self.prog}: {message} (see --help)")
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -39,6 +49,21 @@ def main_guard(main: Callable[..., Any], *args: Any) -> None:
         sys.exit(2)
     if isinstance(result, int) and not isinstance(result, bool):
         sys.exit(result)
+
+
+def run_absl(main: Callable[[list[str]], Any]) -> None:
+    """`absl.app.run(main)` for the absl-flag CLIs (train, bench): a bad flag, a config file that does not
+    load or a bad `--config.x.y=` override is one line and exit 2 as well, instead of absl's usage dump."""
+    from absl import app, flags
+
+    def parse(argv: list[str]) -> list[str]:
+        try:
+            return flags.FLAGS(argv)
+        except flags.Error as err:
+            print(f"error: {_one_line(err)}", file=sys.stderr)
+            sys.exit(2)
+
+    app.run(lambda argv: main_guard(main, argv), flags_parser=parse)
 
 
 def _one_line(err: BaseException) -> str:

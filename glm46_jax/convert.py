@@ -43,14 +43,8 @@ from glm46_jax.model.transformer import MTPLayer
 MTP_SEED = 0
 
 
-class _Parser(argparse.ArgumentParser):
-    # A bad flag is a user's mistake like any other: one line and exit 2 (cli.main_guard), not usage + error.
-    def error(self, message: str):
-        raise InputError(f"{message} (see {self.prog} --help)")
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m glm46_jax.convert", description=__doc__,
+    p = cli.ArgumentParser(prog="python -m glm46_jax.convert", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("ckpt-to-hf", help="training checkpoint -> Hugging Face directory")

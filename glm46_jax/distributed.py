@@ -1,6 +1,6 @@
 """Multi-process start-up: `jax.distributed` under Slurm, from explicit settings, or not at all.
 
-    cluster = distributed.initialize(config.distributed)   # first thing: before any device is touched
+    cluster = distributed.initialize(run_cfg.distributed)   # first thing: before any device is touched
 
 Who the processes are is decided here, once, in this order:
   1. explicit settings (`coordinator`, `num_processes`, `process_id`; `launch/local_multiprocess.sh`
@@ -30,6 +30,8 @@ from typing import Any
 
 import jax
 from absl import logging
+
+from glm46_jax.run_config import DistributedConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,47 +121,35 @@ def _device_ids(value: Any) -> tuple[int, ...] | None:
     return tuple(int(v) for v in value)
 
 
-def resolve(cfg: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Cluster | None:
-    """The cluster from `config.distributed` (explicit wins) or the Slurm environment; None = one process."""
+def resolve(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> Cluster | None:
+    """The cluster from `config.distributed` (explicit wins) or the Slurm environment; None = one process.
+    The config has checked that explicit settings come all together (`DistributedConfig`)."""
     env = os.environ if env is None else env
-    coordinator, num, pid = cfg.get("coordinator") or "", int(cfg.get("num_processes") or 0), \
-        int(cfg.get("process_id", -1))
-    given = {"coordinator": bool(coordinator), "num_processes": num > 0, "process_id": pid >= 0}
-    if any(given.values()):
-        missing = [k for k, v in given.items() if not v]
-        if missing:
-            raise ValueError(f"config.distributed: {missing} must be set together with "
-                             f"{[k for k, v in given.items() if v]} (or none of them, for Slurm auto-detection)")
-        if not 0 <= pid < num:
-            raise ValueError(f"config.distributed.process_id={pid} must be in [0, num_processes={num})")
-        if num == 1:
+    if cfg.explicit:
+        if cfg.num_processes == 1:
             return None
-        return Cluster(coordinator, num, pid, _device_ids(cfg.get("local_device_ids")), "explicit")
+        return Cluster(cfg.coordinator, cfg.num_processes, cfg.process_id, _device_ids(cfg.local_device_ids),
+                       "explicit")
     cluster = slurm_cluster(env)
-    if cluster is not None and cfg.get("local_device_ids"):
-        cluster = dataclasses.replace(cluster, local_device_ids=_device_ids(cfg["local_device_ids"]))
+    if cluster is not None and cfg.local_device_ids:
+        cluster = dataclasses.replace(cluster, local_device_ids=_device_ids(cfg.local_device_ids))
     return cluster
 
 
-def initialize(cfg: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Cluster | None:
+def initialize(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> Cluster | None:
     """Start `jax.distributed` if this is one of several processes; call before any device is used."""
-    mode = cfg.get("mode", "auto")
-    if mode not in ("auto", "off"):
-        raise ValueError(f"config.distributed.mode={mode!r}: expected 'auto' (explicit settings, else Slurm, else "
-                         "one process) or 'off' (always one process)")
-    if mode == "off":
+    if cfg.mode == "off":
         return None
     cluster = resolve(cfg, env)
     if cluster is None:
         return None
-    init_s = int(cfg.get("initialization_timeout_s", 300))
+    init_s = cfg.initialization_timeout_s
     try:
         jax.distributed.initialize(
             coordinator_address=cluster.coordinator, num_processes=cluster.num_processes,
             process_id=cluster.process_id, local_device_ids=cluster.local_device_ids,
             cluster_detection_method="deactivate", initialization_timeout=init_s,
-            heartbeat_timeout_seconds=int(cfg.get("heartbeat_timeout_s", 100)),
-            shutdown_timeout_seconds=int(cfg.get("shutdown_timeout_s", 60)))
+            heartbeat_timeout_seconds=cfg.heartbeat_timeout_s, shutdown_timeout_seconds=cfg.shutdown_timeout_s)
     except Exception as e:  # noqa: BLE001 - JAX raises its runtime error type; say what to check, keep the cause
         raise RuntimeError(
             f"process {cluster.process_id} of {cluster.num_processes} could not join the job at {cluster.coordinator} "

@@ -25,14 +25,8 @@ from glm46_jax.loss import token_nll
 from glm46_jax.model import apply
 
 
-class _Parser(argparse.ArgumentParser):
-    # A bad flag is a user's mistake like any other: one line and exit 2 (cli.main_guard), not usage + error.
-    def error(self, message: str):
-        raise InputError(f"{message} (see {self.prog} --help)")
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m glm46_jax.score", description=__doc__,
+    p = cli.ArgumentParser(prog="python -m glm46_jax.score", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf-dir", help="Hugging Face GLM-4.5/4.6 directory (config.json + safetensors)")

@@ -268,6 +268,14 @@ def test_to_global_shards_rows_over_the_batch_axes():
     out = loader.to_global(local, mesh)["inputs"]
     assert out.shape == (8, 4) and out.sharding.spec == sharding.logical("batch", "seq")
     np.testing.assert_array_equal(np.asarray(out), local["inputs"])
+    # Gradient accumulation: rows 0-7 are micro-batch 0, rows 8-15 micro-batch 1; the micro-batch axis is
+    # not sharded, the rows within one are. global_rows (every process holds the whole batch) lays out
+    # the same array.
+    local = {"inputs": np.arange(16 * 4, dtype=np.int32).reshape(16, 4)}
+    for global_rows in (False, True):
+        acc = loader.to_global(local, mesh, accum_steps=2, global_rows=global_rows)["inputs"]
+        assert acc.shape == (2, 8, 4) and acc.sharding.spec == sharding.logical(None, "batch", "seq")
+        np.testing.assert_array_equal(np.asarray(acc)[1, 2], [40, 41, 42, 43])
 
 
 # --- curriculum ----------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from glm46_jax import checkpoint, distributed, sharding
+from glm46_jax.cli import InputError
+from glm46_jax.run_config import DistributedConfig
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 LAUNCHER = os.path.join(ROOT, "launch", "local_multiprocess.sh")
@@ -43,7 +45,7 @@ def _jax_slurm_coordinator(env, monkeypatch) -> str:
 
 def test_slurm_srun_environment_gives_coordinator_count_and_rank(monkeypatch):
     env = _srun_env()
-    c = distributed.resolve({}, env)
+    c = distributed.resolve(DistributedConfig(), env)
     assert c.coordinator == f"gpu003:{12345 % 4096 + 61440}" == _jax_slurm_coordinator(env, monkeypatch)
     assert (c.num_processes, c.process_id) == (32, 13)
     assert c.local_device_ids == (5,)  # 8 tasks on this node: one GPU each, by local rank
@@ -51,18 +53,18 @@ def test_slurm_srun_environment_gives_coordinator_count_and_rank(monkeypatch):
 
 
 def test_slurm_one_task_per_node_sees_all_its_gpus():
-    c = distributed.resolve({}, _srun_env(SLURM_NTASKS="4", SLURM_PROCID="2", SLURM_LOCALID="0",
+    c = distributed.resolve(DistributedConfig(), _srun_env(SLURM_NTASKS="4", SLURM_PROCID="2", SLURM_LOCALID="0",
                                           SLURM_STEP_TASKS_PER_NODE="1(x4)"))
     assert (c.num_processes, c.process_id, c.local_device_ids) == (4, 2, None)
     # Slurm already bound one GPU per task: that GPU is the task's device 0, so no further restriction.
-    c = distributed.resolve({}, _srun_env(CUDA_VISIBLE_DEVICES="5"))
+    c = distributed.resolve(DistributedConfig(), _srun_env(CUDA_VISIBLE_DEVICES="5"))
     assert c.local_device_ids is None
 
 
 def test_slurm_falls_back_to_the_job_node_list(monkeypatch):
     env = _srun_env(SLURM_JOB_NODELIST="node17,node18", JAX_COORDINATOR_PORT="7777")
     del env["SLURM_STEP_NODELIST"], env["SLURM_STEP_TASKS_PER_NODE"]
-    c = distributed.resolve({}, env)
+    c = distributed.resolve(DistributedConfig(), env)
     assert c.coordinator == "node17:7777"
     assert "SLURM_JOB_NODELIST" in c.source
     env = {**env, "SLURM_STEP_NODELIST": env.pop("SLURM_JOB_NODELIST")}  # what JAX itself reads
@@ -76,19 +78,19 @@ def test_first_host_of_a_slurm_node_list(nodelist, host):
 
 
 def test_single_process_and_bad_settings():
-    assert distributed.resolve({}, {}) is None  # no Slurm, nothing explicit: one process
-    assert distributed.resolve({}, _srun_env(SLURM_NTASKS="1")) is None
+    assert distributed.resolve(DistributedConfig(), {}) is None  # no Slurm, nothing explicit: one process
+    assert distributed.resolve(DistributedConfig(), _srun_env(SLURM_NTASKS="1")) is None
     explicit = {"coordinator": "10.0.0.1:1234", "num_processes": 4, "process_id": 3}
-    c = distributed.resolve(explicit, _srun_env())  # explicit settings win over Slurm
+    c = distributed.resolve(DistributedConfig(**explicit), _srun_env())  # explicit settings win over Slurm
     assert (c.coordinator, c.num_processes, c.process_id, c.source) == ("10.0.0.1:1234", 4, 3, "explicit")
-    with pytest.raises(ValueError, match=r"\['num_processes', 'process_id'\] must be set together"):
-        distributed.resolve({"coordinator": "h:1"}, {})
-    with pytest.raises(ValueError, match="process_id=4 must be in"):
-        distributed.resolve({**explicit, "process_id": 4}, {})
+    with pytest.raises(InputError, match=r"\['num_processes', 'process_id'\] must be set together"):
+        DistributedConfig(coordinator="h:1")
+    with pytest.raises(InputError, match=r"process_id=4: must be in \[0, num_processes=4\)"):
+        DistributedConfig(**{**explicit, "process_id": 4})
     with pytest.raises(ValueError, match="cannot parse the Slurm node list"):
         distributed.first_host("node[1-2")
-    with pytest.raises(ValueError, match="mode='maybe'"):
-        distributed.initialize({"mode": "maybe"})
+    with pytest.raises(InputError, match="distributed.mode='maybe'"):
+        DistributedConfig(mode="maybe")
 
 
 # --- two processes on this machine ---------------------------------------------------------------
@@ -240,7 +242,8 @@ def test_two_processes_join_from_faked_slurm_variables(tmp_path):
     port = _free_port()
     script = ("import jax, numpy as np\n"
               "from glm46_jax import distributed\n"
-              "c = distributed.initialize({'heartbeat_timeout_s': 10})\n"
+              "from glm46_jax.run_config import DistributedConfig\n"
+              "c = distributed.initialize(DistributedConfig(heartbeat_timeout_s=10))\n"
               "mesh = jax.make_mesh((8,), ('d',))\n"
               "x = jax.make_array_from_process_local_data(jax.NamedSharding(mesh, jax.P('d')),"
               " np.full(4, jax.process_index() + 1.0, np.float32))\n"

@@ -19,6 +19,10 @@ import numpy as np
 import pytest
 
 from glm46_jax import checkpoint, sharding
+from glm46_jax.cli import InputError
+from glm46_jax.pretrain import build
+from glm46_jax.run_config import from_config_dict
+from glm46_jax.train import train
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 # Orbax abandons its read coroutines when a restore of a damaged step fails (tested here on purpose); Python
@@ -195,16 +199,15 @@ def _damage(step_dir: str, kind: str):
 @pytest.mark.parametrize("kind", ["uncommitted", "missing_meta", "truncated", "missing_file", "garbage_json"])
 def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, reference, kind, caplog):
     """Damage the newest of the reference run's checkpoints; restore_latest returns the one before."""
-    from glm46_jax.build import build
 
     run_dir = str(tmp_path / kind)
     shutil.copytree(reference, run_dir)
     steps = _steps(run_dir)
     _damage(os.path.join(run_dir, "checkpoints", str(steps[-1])), kind)
-    run = build(_config(run_dir, "unused"), jax.devices()[:1])
+    run, initial = build(from_config_dict(_config(run_dir, "unused")), jax.devices()[:1])
     with sharding.use_mesh(run.mesh):
         restorer = checkpoint.Checkpointer(run_dir, every=EVERY)
-        restored = restorer.restore_latest(run.state)
+        restored = restorer.restore_latest(initial)
         restorer.close()
     gc.collect()  # the failed restore's abandoned coroutines are reported here (and filtered), not later
     assert restored is not None and restored[0] == steps[-2], (kind, steps, restored and restored[0])
@@ -219,18 +222,17 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, referenc
 def test_unrestorable_checkpoints_stop_the_run_instead_of_starting_over(tmp_path, reference):
     """Every step damaged: an error listing each, and nothing deleted. Saved by 2 processes, resumed by 1:
     the process-count error, not a fall-back to older steps (they would fail the same way)."""
-    from glm46_jax.build import build
 
     run_dir = str(tmp_path / "all_damaged")
     shutil.copytree(reference, run_dir)
     steps = _steps(run_dir)
     for step, kind in zip(steps, itertools.cycle(("garbage_json", "truncated")), strict=False):
         _damage(os.path.join(run_dir, "checkpoints", str(step)), kind)
-    run = build(_config(run_dir, "unused"), jax.devices()[:1])
+    run, initial = build(from_config_dict(_config(run_dir, "unused")), jax.devices()[:1])
     with sharding.use_mesh(run.mesh):
         restorer = checkpoint.Checkpointer(run_dir, every=EVERY)
         with pytest.raises(RuntimeError, match="no checkpoint in .* restores") as err:
-            restorer.restore_latest(run.state)
+            restorer.restore_latest(initial)
         message = str(err.value)
         del err  # its traceback holds Orbax's failed read coroutines: let gc.collect below report them here
         restorer.close()
@@ -246,7 +248,7 @@ def test_unrestorable_checkpoints_stop_the_run_instead_of_starting_over(tmp_path
             json.dump({"processes": saved["processes"] * 2}, f)
         restorer = checkpoint.Checkpointer(two_procs, every=EVERY)
         with pytest.raises(checkpoint.IncompatibleCheckpoint, match="saved by 2 processes, restoring with 1"):
-            restorer.restore_latest(run.state)
+            restorer.restore_latest(initial)
         restorer.close()
     gc.collect()
 
@@ -255,17 +257,15 @@ def test_unrestorable_checkpoints_stop_the_run_instead_of_starting_over(tmp_path
 def test_restore_onto_other_meshes_and_continue(tmp_path, sample_corpus):
     """A train state saved on (data 2, tensor 2, expert 2) restores on (1, 4, 2) and (8, 1, 1) with the
     same values in the new layouts, and training goes on from it on (1, 4, 2)."""
-    from glm46_jax.build import build
-    from glm46_jax.train import train
 
     run_dir = str(tmp_path / "meshes")
     config = _config(run_dir, sample_corpus, steps=EVERY + 2)
     config.mesh = {"data": 2, "tensor": 2, "expert": 2}
-    run = build(config, jax.devices()[:8])
+    run, initial = build(from_config_dict(config), jax.devices()[:8])
     with sharding.use_mesh(run.mesh):  # a non-trivial state: biases and the step counter moved
-        state = run.state.replace(step=run.state.step + EVERY,
+        state = initial.replace(step=initial.step + EVERY,
                                   buffers=jax.tree.map(lambda b: b + 0.01 * jax.numpy.arange(b.shape[-1]),
-                                                       run.state.buffers))
+                                                       initial.buffers))
         saver = checkpoint.Checkpointer(run_dir, every=EVERY)
         data = {"phase_index": 0, "phase_name": "general", "tokens_seen": 0, "step": 0, "data": None}
         saver.save(EVERY, state, data, {"model_config": {}, "tokens_seen": 0})
@@ -274,10 +274,10 @@ def test_restore_onto_other_meshes_and_continue(tmp_path, sample_corpus):
         (state.params, state.buffers, state.opt_state))}
     for mesh in ({"data": 1, "tensor": 4, "expert": 2}, {"data": 8}):
         config.mesh = mesh
-        run = build(config, jax.devices()[:8])
+        run, initial = build(from_config_dict(config), jax.devices()[:8])
         with sharding.use_mesh(run.mesh):
             restorer = checkpoint.Checkpointer(run_dir, every=EVERY)
-            step, restored, _, _ = restorer.restore_latest(run.state)
+            step, restored, _, _ = restorer.restore_latest(initial)
             restorer.close()
         assert step == EVERY and int(restored.step) == EVERY
         got = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(
@@ -287,7 +287,7 @@ def test_restore_onto_other_meshes_and_continue(tmp_path, sample_corpus):
             assert got[path].sharding.mesh.shape == run.mesh.shape, path  # laid out on the new mesh
             np.testing.assert_array_equal(np.asarray(got[path]), want, err_msg=path)
     config.mesh = {"data": 1, "tensor": 4, "expert": 2}
-    _, summary = train(config, jax.devices()[:8])  # resume=auto: steps 4-5 on the new mesh
+    _, summary = train(from_config_dict(config), jax.devices()[:8])  # resume=auto: steps 4-5 on the new mesh
     assert summary["start_step"] == EVERY + 1 and summary["steps"] == EVERY + 2
     assert np.isfinite(summary["end_loss"])
 
@@ -324,7 +324,6 @@ def test_init_from_starts_a_new_run_from_the_weights_and_resume_never_unpickles(
     Starting and resuming read only Orbax arrays and JSON: any unpickling fails the test."""
     import pickle
 
-    from glm46_jax.train import train
 
     def refuse(*_, **__):
         raise AssertionError("a checkpoint load unpickled something")
@@ -337,11 +336,19 @@ def test_init_from_starts_a_new_run_from_the_weights_and_resume_never_unpickles(
     with pytest.MonkeyPatch.context() as mp:
         for name in ("load", "loads", "Unpickler"):
             mp.setattr(pickle, name, refuse)
-        _, summary = train(config, jax.devices()[:1])
+        _, summary = train(from_config_dict(config), jax.devices()[:1])
         assert summary["start_step"] == 1 and summary["steps"] == 1
         config.train.steps = 2  # resume=auto: continues from step 1 of this run, not from the reference
-        _, resumed = train(config, jax.devices()[:1])
+        _, resumed = train(from_config_dict(config), jax.devices()[:1])
         assert resumed["start_step"] == 2 and resumed["steps"] == 2
+        # The same command again: nothing to do, and the advice given must be one that works (it used to
+        # suggest resume=never, which refuses a run dir holding checkpoints).
+        with pytest.raises(InputError, match=r"already finished \(2 of 2 steps\)") as err:
+            train(from_config_dict(config), jax.devices()[:1])
+        assert "resume=never" not in str(err.value) and "--config.run_dir" in str(err.value)
+        config.checkpoint.resume = "never"
+        with pytest.raises(InputError, match=r"already holds checkpoints \[1, 2\] and checkpoint.resume=never"):
+            train(from_config_dict(config), jax.devices()[:1])
     want, got = _weights(reference, STEPS), _weights(run_dir, 2)
     assert got.keys() == want.keys()
     for path, x in want.items():

@@ -12,6 +12,7 @@ import pytest
 
 from glm46_jax import checkpoint, sharding
 from glm46_jax.optim import OptimConfig, lr_schedule
+from glm46_jax.run_config import from_config_dict
 from glm46_jax.train import train
 
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "pretrain.py")
@@ -39,7 +40,7 @@ def run(tmp_path_factory, sample_corpus):
     config.optim.warmup_steps = 10
     # The MTP weight and the balancing rate switch with the phase, after 30 x 512 tokens.
     config.loss.mtp_boundary_tokens = config.balance.boundary_tokens = 30 * 512
-    state, summary = train(config, devices=jax.devices()[:1])
+    state, summary = train(from_config_dict(config), devices=jax.devices()[:1])
     return config, state, summary
 
 
@@ -152,7 +153,7 @@ def test_run_stops_after_too_many_nonfinite_steps(tmp_path, sample_corpus):
     config.train.update(steps=20, log_every=10, eval_every=20, eval_batches=1, max_nonfinite=3)
     config.optim.update(lr=1e30, warmup_steps=0)
     with pytest.raises(FloatingPointError, match=r"step \d+: loss or gradient not finite \(or a loss spike\) for 3 steps in a row"):
-        train(config, devices=jax.devices()[:1])
+        train(from_config_dict(config), devices=jax.devices()[:1])
 
 
 @pytest.mark.slow
@@ -169,7 +170,7 @@ def test_loss_spikes_are_skipped_then_rolled_back(tmp_path, sample_corpus):
     config.train.update(steps=12, log_every=1, eval_every=100, eval_batches=1, bad_steps="rollback",
                         rollback_after=2, spike_factor=0.5, spike_warmup=7)
     config.checkpoint.every = 3
-    _, summary = train(config, devices=jax.devices()[:1])
+    _, summary = train(from_config_dict(config), devices=jax.devices()[:1])
     assert summary["rollbacks"] and all(to < at for at, to in summary["rollbacks"]), summary["rollbacks"]
     assert summary["rollbacks"][0] == (10, 9)
     with open(os.path.join(config.run_dir, "metrics.jsonl")) as f:
@@ -181,3 +182,49 @@ def test_loss_spikes_are_skipped_then_rolled_back(tmp_path, sample_corpus):
     step9 = checkpoint.load_params(os.path.join(config.run_dir, "checkpoints", "9"), mesh)[2]
     for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(step9)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _one_phase_config(run_dir: str, corpus: str, steps: int):
+    """`steps` steps of the fixture run's first-phase shapes (8 x 64, concat): its compiled step is reused."""
+    config = load_config("tiny")
+    config.run_dir = run_dir
+    config.mesh = {"data": 1}
+    config.data.root = corpus
+    del config.data.phases["code_long"]
+    config.data.phase_order = ("general",)
+    config.data.phases.general.update(tokens=30 * 512, seq_len=64, global_batch=8)
+    config.train.update(steps=steps, log_every=1, eval_every=2, eval_batches=1)
+    return config
+
+
+def test_eval_every_zero_means_no_periodic_eval(tmp_path, sample_corpus):
+    """train.eval_every=0: no periodic eval (it raised ZeroDivisionError); the run's end still evaluates."""
+    config = _one_phase_config(str(tmp_path), sample_corpus, steps=4)
+    config.train.eval_every = 0
+    _, summary = train(from_config_dict(config), devices=jax.devices()[:1])
+    with open(os.path.join(config.run_dir, "metrics.jsonl")) as f:
+        eval_steps = [r["step"] for r in map(json.loads, f) if "eval/ce" in r]
+    assert eval_steps == [4] and np.isfinite(summary["eval/ce"])
+
+
+def test_a_corpus_without_held_out_data_trains_and_says_so(tmp_path, sample_corpus, caplog):
+    """Every domain too small for a held-out split (data_prep records 0 held-out tokens and writes no
+    held-out shard): the run trains, warns once, and reports no held-out CE instead of failing."""
+    import shutil
+
+    corpus = str(tmp_path / "corpus")
+    shutil.copytree(sample_corpus, corpus)
+    with open(os.path.join(corpus, "metadata.json")) as f:
+        meta = json.load(f)
+    for domain, record in meta["domains"].items():
+        record["heldout"] = {"documents": 0, "tokens": 0, "shards": []}
+        shutil.rmtree(os.path.join(corpus, domain, "heldout"))
+    with open(os.path.join(corpus, "metadata.json"), "w") as f:
+        json.dump(meta, f)
+    config = _one_phase_config(str(tmp_path / "run"), corpus, steps=3)
+    _, summary = train(from_config_dict(config), devices=jax.devices()[:1])
+    assert summary["steps"] == 3 and "eval/ce" not in summary and np.isfinite(summary["end_loss"])
+    assert "general: no held-out data for its mixture, so no evaluation" in caplog.text
+    assert caplog.text.count("so no evaluation") == 1
+    with open(os.path.join(config.run_dir, "metrics.jsonl")) as f:
+        assert not [r for r in map(json.loads, f) if "eval/ce" in r]

@@ -112,6 +112,16 @@ def shard_paths(root: str, domain: str, split: str) -> list[str]:
     return paths
 
 
+def has_split(root: str, domain: str, split: str) -> bool:
+    """Whether the corpus holds any `split` data for `domain`: the token count data_prep recorded in
+    metadata.json when there is one (a domain too small for a held-out split records 0), else whether
+    it has shards."""
+    record = read_metadata(root).get("domains", {}).get(domain, {}).get(split)
+    if isinstance(record, Mapping) and "tokens" in record:
+        return int(record["tokens"]) > 0
+    return bool(glob.glob(os.path.join(root, domain, split, "*.array_record")))
+
+
 def domain_seed(seed: int, domain: str) -> int:
     """A per-domain shuffle seed: fixed by (seed, name), independent of which other domains exist."""
     return int(np.random.SeedSequence([seed, zlib.crc32(domain.encode())]).generate_state(1)[0])
@@ -275,7 +285,24 @@ def _absl_flags_parsed():
         flags.FLAGS.mark_as_parsed()
 
 
-def to_global(batch: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
-    """Every process's local rows -> global arrays sharded over the mesh's batch axes."""
-    spec = NamedSharding(mesh, sharding.logical("batch", "seq"))
-    return {k: jax.make_array_from_process_local_data(spec, np.asarray(v)) for k, v in batch.items()}
+def to_global(batch: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh, *, accum_steps: int = 1,
+              global_rows: bool = False) -> dict[str, jax.Array]:
+    """This process's rows -> global arrays sharded over the mesh's batch axes.
+
+    `accum_steps` > 1: [accum, rows / accum, seq], the micro-batch axis unsharded (the train step
+    scans over it). `global_rows`: every process holds the whole batch (data.process_split="rows")
+    and each device takes its slice of it. The one host->device copy of a training loop, so it is
+    allowed explicitly: the loop runs under a transfer guard.
+    """
+    layout = NamedSharding(mesh, sharding.logical(*((None,) if accum_steps > 1 else ()), "batch", "seq"))
+    out = {}
+    with jax.transfer_guard_host_to_device("allow"):
+        for k, v in batch.items():
+            v = np.asarray(v)
+            if accum_steps > 1:
+                v = v.reshape(accum_steps, v.shape[0] // accum_steps, *v.shape[1:])
+            if global_rows:
+                out[k] = jax.make_array_from_callback(v.shape, layout, lambda index, v=v: v[index])
+            else:
+                out[k] = jax.make_array_from_process_local_data(layout, v)
+    return out

@@ -1,0 +1,200 @@
+"""A training run's settings as typed, frozen dataclasses, converted once from the config file.
+
+    run_cfg = run_config.from_config_dict(config)    # in main: the ConfigDict stops here
+    state, summary = train(run_cfg)
+
+The ml_collections file in `configs/` stays the user interface (`--config.train.steps=10`
+overrides keep working); below `main` everything takes these dataclasses. Each section checks
+itself in `__post_init__` and names the field as the user sets it (`train.eval_every=-1: ...`), so
+a bad value stops the run before anything is built, with one line (`cli.InputError`). The model,
+optimizer, loss and balancing sections are their own modules' dataclasses (ModelConfig,
+OptimConfig, LossConfig, BalanceConfig) and validate themselves the same way (docs/trainer.md#layers-of-a-run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from glm46_jax.balancing import BalanceConfig
+from glm46_jax.cli import InputError
+from glm46_jax.config import ModelConfig, model_config_from_dict
+from glm46_jax.data import curriculum as curriculum_lib
+from glm46_jax.data.curriculum import Curriculum
+from glm46_jax.loss import LossConfig
+from glm46_jax.optim import OptimConfig
+from glm46_jax.sharding import MESH_AXES
+
+
+def _check(section: str, field: str, value: Any, ok: bool, why: str) -> None:
+    if not ok:
+        raise InputError(f"{section}.{field}={value!r}: {why}; set --config.{section}.{field}")
+
+
+def _at_least(section: str, obj: Any, minimum: int | float, *fields: str, why: str = "") -> None:
+    for f in fields:
+        v = getattr(obj, f)
+        _check(section, f, v, v >= minimum, f"must be >= {minimum}{why}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 0  # 0 = until the curriculum's tokens are spent
+    seed: int = 0
+    log_every: int = 50
+    eval_every: int = 500  # 0 = no periodic eval (every phase still ends with one)
+    eval_batches: int = 8
+    accum_steps: int = 1  # micro-batches per step
+    bad_steps: str = "skip"  # skip | rollback
+    max_nonfinite: int = 10  # "skip": stop after this many bad steps in a row
+    rollback_after: int = 3  # "rollback": restore the last checkpoint after this many in a row
+    spike_factor: float = 0.0  # a loss above factor x its running mean is a bad step; 0 = off
+    spike_warmup: int = 10
+    tensorboard: bool = True
+
+    def __post_init__(self):
+        _at_least("train", self, 0, "steps", "seed", "eval_every", "spike_warmup")
+        _at_least("train", self, 1, "log_every", "eval_batches", "accum_steps", "max_nonfinite", "rollback_after")
+        _check("train", "bad_steps", self.bad_steps, self.bad_steps in ("skip", "rollback"),
+               "expected 'skip' or 'rollback'")
+        _check("train", "spike_factor", self.spike_factor, self.spike_factor >= 0,
+               "must be >= 0 (0 = off; else a multiple of the running mean loss)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 500  # steps between saves (and always at the end and on SIGTERM/SIGUSR1)
+    keep: int = 3  # the last `keep` steps; 0 = all
+    keep_best: bool = False  # also the best by held-out CE
+    async_save: bool = True
+    resume: str = "auto"  # auto: continue from the newest complete checkpoint | never: start fresh
+    init_from: str = ""  # a run dir / checkpoint whose weights start a new run
+
+    def __post_init__(self):
+        _at_least("checkpoint", self, 1, "every")
+        _at_least("checkpoint", self, 0, "keep", why=" (0 keeps all)")
+        _check("checkpoint", "resume", self.resume, self.resume in ("auto", "never"), "expected 'auto' or 'never'")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    curriculum: Curriculum
+    root: str = "data/corpus"
+    seed: int = 0
+    num_workers: int = 0
+    read_threads: int = 2
+    process_split: str = "documents"  # documents: each process reads 1/P of every domain | rows: all, keeps its rows
+
+    def __post_init__(self):
+        _at_least("data", self, 0, "seed", "num_workers")
+        _at_least("data", self, 1, "read_threads")
+        _check("data", "process_split", self.process_split, self.process_split in ("documents", "rows"),
+               "expected 'documents' or 'rows'")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1
+    tensor: int = 1
+    expert: int = 1
+    pipeline: int = 1
+
+    def __post_init__(self):
+        sizes = self.sizes()
+        for axis, size in sizes.items():
+            _check("mesh", axis, size, size >= 1 or size == -1, "must be >= 1, or -1 for 'the remaining devices'")
+        if list(sizes.values()).count(-1) > 1:
+            raise InputError(f"mesh: at most one axis may be -1 (got {sizes}); give the others explicit sizes")
+
+    def sizes(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in MESH_AXES}
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    mode: str = "auto"  # auto: explicit settings, else Slurm's srun environment, else one process | off
+    coordinator: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+    local_device_ids: str = ""  # "0,1": this process's devices (default: all visible)
+    initialization_timeout_s: int = 300
+    heartbeat_timeout_s: int = 100
+    shutdown_timeout_s: int = 60
+
+    def __post_init__(self):
+        _check("distributed", "mode", self.mode, self.mode in ("auto", "off"),
+               "expected 'auto' (explicit settings, else Slurm, else one process) or 'off' (always one process)")
+        _at_least("distributed", self, 0, "num_processes")
+        _at_least("distributed", self, 1, "initialization_timeout_s", "heartbeat_timeout_s", "shutdown_timeout_s")
+        given = {"coordinator": bool(self.coordinator), "num_processes": self.num_processes > 0,
+                 "process_id": self.process_id >= 0}
+        if any(given.values()) and not all(given.values()):
+            raise InputError(f"distributed: {[k for k, v in given.items() if not v]} must be set together with "
+                             f"{[k for k, v in given.items() if v]} (or none of them, for Slurm auto-detection)")
+        if all(given.values()) and self.process_id >= self.num_processes:
+            raise InputError(f"distributed.process_id={self.process_id}: must be in [0, num_processes="
+                             f"{self.num_processes})")
+
+    @property
+    def explicit(self) -> bool:
+        return self.num_processes > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    run_dir: str
+    model: ModelConfig
+    mesh: MeshConfig
+    train: TrainConfig
+    checkpoint: CheckpointConfig
+    data: DataConfig
+    distributed: DistributedConfig
+    optim: OptimConfig
+    loss: LossConfig
+    balance: BalanceConfig
+    # The config file's values as given (JSON): written to run_dir/config.json and the checkpoints' meta,
+    # so a run can be reproduced from them.
+    source: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def total_steps(self) -> int:
+        return total_steps(self.data, self.train)
+
+
+def total_steps(data: DataConfig, train: TrainConfig) -> int:
+    """Steps of the run: the curriculum's, or train.steps when that is smaller."""
+    total = curriculum_lib.num_steps(data.curriculum)
+    return min(total, train.steps) if train.steps > 0 else total
+
+
+def _section(cls: type, name: str, values: Mapping[str, Any], **extra: Any):
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise InputError(f"config.{name} has unknown fields {unknown}; valid fields: {sorted(fields - set(extra))}")
+    return cls(**{**dict(values), **extra})
+
+
+def from_config_dict(config: Any) -> RunConfig:
+    """The ConfigDict of a `configs/` file (after command-line overrides) -> a validated RunConfig."""
+    d = json.loads(config.to_json_best_effort()) if hasattr(config, "to_json_best_effort") else dict(config)
+    data = dict(d["data"])
+    phases, order = data.pop("phases"), data.pop("phase_order", None)
+    order = tuple(order) if order is not None else tuple(phases)
+    data_cfg = _section(DataConfig, "data", data, curriculum=curriculum_lib.from_config(phases, order))
+    train_cfg = _section(TrainConfig, "train", d["train"])
+    total = total_steps(data_cfg, train_cfg)
+    optim = dict(d["optim"])
+    if optim.get("decay_steps", 0) <= 0:  # 0 = the schedule spans the run
+        optim["decay_steps"] = total
+    return RunConfig(
+        run_dir=os.path.abspath(d["run_dir"]), model=model_config_from_dict(d["model"]),
+        mesh=_section(MeshConfig, "mesh", d["mesh"]), train=train_cfg,
+        checkpoint=_section(CheckpointConfig, "checkpoint", d["checkpoint"]), data=data_cfg,
+        distributed=_section(DistributedConfig, "distributed", d.get("distributed", {})),
+        optim=_section(OptimConfig, "optim", optim), loss=_section(LossConfig, "loss", d["loss"]),
+        balance=_section(BalanceConfig, "balance", d["balance"]), source=d)
+

@@ -1,0 +1,104 @@
+"""Typed run configs (`run_config`): every preset converts, each bad value is refused naming its field;
+and the command lines report a user's mistake as one line with exit code 2, no traceback."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from glm46_jax import run_config
+from glm46_jax.cli import InputError
+
+ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
+
+
+def load_config(preset: str):
+    spec = importlib.util.spec_from_file_location("pretrain_config", os.path.join(ROOT, "configs", "pretrain.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(preset)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "glm45_air", "glm45", "glm46"])
+def test_every_preset_converts(preset):
+    cfg = run_config.from_config_dict(load_config(preset))
+    assert cfg.source["model"]["preset"] == preset
+    assert cfg.optim.decay_steps == cfg.total_steps > 0  # decay_steps=0 in the file: the schedule spans the run
+    assert [p.name for p in cfg.data.curriculum.phases] == list(cfg.source["data"]["phase_order"])
+
+
+def test_tiny_converts_to_the_values_in_the_file():
+    config = load_config("tiny")
+    config.train.steps = 7
+    cfg = run_config.from_config_dict(config)
+    assert cfg.total_steps == 7 and cfg.optim.decay_steps == 7
+    assert cfg.train.eval_every == 100 and cfg.checkpoint.every == 100 and cfg.mesh.sizes()["data"] == -1
+    assert cfg.model.hidden_size == 64 and cfg.loss.mtp_boundary_tokens == 409_600
+    # 200 steps of 16 x 128 then 50 of 16 x 256: 409,600 + 204,800 tokens
+    assert run_config.from_config_dict(load_config("tiny")).total_steps == 250
+
+
+@pytest.mark.parametrize("path, value, field", [
+    ("train.eval_every", -1, "train.eval_every=-1"),
+    ("train.log_every", 0, "train.log_every=0"),
+    ("train.accum_steps", 0, "train.accum_steps=0"),
+    ("train.steps", -5, "train.steps=-5"),
+    ("train.bad_steps", "ignore", "train.bad_steps='ignore'"),
+    ("train.spike_factor", -1.0, "train.spike_factor=-1.0"),
+    ("checkpoint.every", 0, "checkpoint.every=0"),
+    ("checkpoint.keep", -1, "checkpoint.keep=-1"),
+    ("checkpoint.resume", "sometimes", "checkpoint.resume='sometimes'"),
+    ("data.process_split", "bytes", "data.process_split='bytes'"),
+    ("data.read_threads", 0, "data.read_threads=0"),
+    ("mesh.tensor", 0, "mesh.tensor=0"),
+    ("distributed.mode", "maybe", "distributed.mode='maybe'"),
+    ("distributed.process_id", 3, "distributed: ['coordinator', 'num_processes'] must be set together"),
+])
+def test_bad_values_are_refused_naming_the_field(path, value, field):
+    config = load_config("tiny")
+    section, name = path.split(".")
+    config[section][name] = value
+    with pytest.raises(InputError) as err:
+        run_config.from_config_dict(config)
+    assert field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_two_open_mesh_axes_and_unknown_fields_are_refused():
+    config = load_config("tiny")
+    config.mesh = {"data": -1, "tensor": -1}
+    with pytest.raises(InputError, match="at most one axis may be -1"):
+        run_config.from_config_dict(config)
+    config = load_config("tiny")
+    config.unlock()
+    config.train.evl_every = 3
+    with pytest.raises(InputError, match=r"config.train has unknown fields \['evl_every'\]"):
+        run_config.from_config_dict(config)
+
+
+def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.parametrize("module, args, expect", [
+    ("glm46_jax.train", ["--config.train.eval_every=-1"], "train.eval_every=-1"),
+    ("glm46_jax.train", ["--config.checkpoint.resume=maybe"], "checkpoint.resume='maybe'"),
+    ("glm46_jax.train", ["--config.mesh.data=3"], "mesh"),
+    ("glm46_jax.train", ["--config.data.root=/nonexistent/corpus", "--config.run_dir=RUN"], "/nonexistent/corpus"),
+    ("glm46_jax.train", ["--config.train.evl_every=3"], "evl_every"),
+    ("glm46_jax.bench", ["--phase=nosuch"], "--phase='nosuch'"),
+])
+def test_cli_user_errors_are_one_line_and_exit_2(tmp_path, module, args, expect):
+    args = [a.replace("RUN", str(tmp_path / "run")) for a in args]
+    proc = _cli(module, "--config=configs/pretrain.py:tiny", *args)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = _error_lines(proc)
+    assert len(errors) == 1 and expect in errors[0], proc.stderr[-2000:]

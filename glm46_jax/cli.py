@@ -59,7 +59,9 @@ def run_absl(main: Callable[[list[str]], Any]) -> None:
     def parse(argv: list[str]) -> list[str]:
         try:
             return flags.FLAGS(argv)
-        except flags.Error as err:
+        # ml_collections' config flags report an unknown `--config.x.y` with AttributeError/KeyError and a config
+        # file that does not load with whatever it raised: all of it is the command line the user typed.
+        except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as err:
             print(f"error: {_one_line(err)}", file=sys.stderr)
             sys.exit(2)
 
@@ -67,10 +69,17 @@ def run_absl(main: Callable[[list[str]], Any]) -> None:
 
 
 def _one_line(err: BaseException) -> str:
-    text = str(err)
+    text = str(err.args[0]) if isinstance(err, (AttributeError, KeyError)) and err.args else str(err)
     if isinstance(err, FileNotFoundError) and err.filename and err.filename not in text:
         text = f"{text}: {err.filename}"
-    return text.strip() or type(err).__name__
+    # ml_collections quotes its AttributeError text twice over, escapes included
+    text = text.replace("\\n", "\n").replace("\\'", "'")
+    if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
+        text = text[1:-1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if "Traceback (most recent call last):" in lines:  # a config file that raised: what it raised, not where
+        lines = lines[:lines.index("Traceback (most recent call last):")] + lines[-1:]
+    return " ".join(lines) or type(err).__name__
 
 
 # GB = 10^9 (as disks and the Hugging Face Hub count), GiB = 2^30.

@@ -31,10 +31,9 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from glm46_jax import cli, sharding
-from glm46_jax.config import ModelConfig, model_config_from_dict
+from glm46_jax import cli, run_config, sharding
+from glm46_jax.config import ModelConfig
 from glm46_jax.counting import ParamCounts, flops_per_token, matmul_params_per_token, param_counts
-from glm46_jax.data import curriculum
 from glm46_jax.model.paths import LAYER_STACKS, path_names
 from glm46_jax.optim import optimizer_group
 
@@ -426,17 +425,16 @@ def _flags(argv: list[str]):
 def main(argv: list[str] | None = None) -> PlanResult:
     """Parse flags, plan, print the report; returns the PlanResult."""
     args = _flags(list(sys.argv[1:] if argv is None else argv))
-    config = args["config"]
-    cfg = model_config_from_dict(config.model)
-    mesh = parse_mesh(args["mesh"]) if args["mesh"] else dict(config.mesh)
+    run_cfg = run_config.from_config_dict(args["config"])  # the one place the ConfigDict is read
+    mesh = parse_mesh(args["mesh"]) if args["mesh"] else run_cfg.mesh.sizes()
     memory = cli.parse_bytes(args["device_memory"], "--device-memory") if args["device_memory"] else None
     # The batch shape of the curriculum's first step (its first phase, at the start of any batch ramp).
-    first = curriculum.from_config(config.data.phases, config.data.phase_order).phases[0]
+    first = run_cfg.data.curriculum.phases[0]
     seq_len = args["seq_len"] or first.seq_len
-    result = plan(cfg, mesh, devices=args["devices"], micro_batch=args["micro_batch"], seq_len=seq_len,
+    result = plan(run_cfg.model, mesh, devices=args["devices"], micro_batch=args["micro_batch"], seq_len=seq_len,
                   remat=args["remat"], device_memory=memory, global_batch=first.rows_at(0),
                   router_optimizer=args["router_optimizer"])
-    print(f"plan for {config.model.get('preset', 'the config')} ({args['config_path']})")
+    print(f"plan for {run_cfg.source['model'].get('preset', 'the config')} ({args['config_path']})")
     print(result.report())
     return result
 

@@ -56,7 +56,9 @@ class TrainConfig:
     tensorboard: bool = True
 
     def __post_init__(self):
-        _at_least("train", self, 0, "steps", "seed", "eval_every", "spike_warmup")
+        _at_least("train", self, 0, "steps", why=" (0 = until the curriculum's tokens are spent)")
+        _at_least("train", self, 0, "eval_every", why=" (0 = no periodic eval)")
+        _at_least("train", self, 0, "seed", "spike_warmup")
         _at_least("train", self, 1, "log_every", "eval_batches", "accum_steps", "max_nonfinite", "rollback_after")
         _check("train", "bad_steps", self.bad_steps, self.bad_steps in ("skip", "rollback"),
                "expected 'skip' or 'rollback'")

@@ -219,8 +219,9 @@ def test_missing_input_is_a_clear_error(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "nope/*.jsonl" in err and "no file" in err
-    with pytest.raises(SystemExit):
-        cli.main(["pipeline", "--input", "no-equals-sign", "--out", str(tmp_path / "o")])
+    assert cli.main(["pipeline", "--input", "no-equals-sign", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "expected DOMAIN=PATH" in err[0]
 
 
 def test_text_lines_mode(tmp_path):

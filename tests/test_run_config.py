@@ -92,7 +92,10 @@ def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:
     ("glm46_jax.train", ["--config.checkpoint.resume=maybe"], "checkpoint.resume='maybe'"),
     ("glm46_jax.train", ["--config.mesh.data=3"], "mesh"),
     ("glm46_jax.train", ["--config.data.root=/nonexistent/corpus", "--config.run_dir=RUN"], "/nonexistent/corpus"),
-    ("glm46_jax.train", ["--config.train.evl_every=3"], "evl_every"),
+    ("glm46_jax.train", ["--config.train.evl_every=3"], 'Did you mean "eval_every"'),
+    ("glm46_jax.train", ["--config=configs/pretrain.py:nosuch"], "unknown preset 'nosuch'"),
+    ("glm46_jax.train", ["--config.optim.lr=abc"], "--config.optim.lr=abc"),
+    ("glm46_jax.train", ["--config.optim.lr=-1"], "optim.lr=-1"),
     ("glm46_jax.bench", ["--phase=nosuch"], "--phase='nosuch'"),
 ])
 def test_cli_user_errors_are_one_line_and_exit_2(tmp_path, module, args, expect):

@@ -109,6 +109,10 @@ def validate_mesh(sizes: Mapping[str, int], cfg, global_batch: int | None = None
             raise InputError(f"{what}={dim} is not divisible by the {' x '.join(axes)} mesh size {n} ({fields}); "
                              f"{fix}")
 
+    if sizes.get("pipeline", 1) > 1:  # no logical axis maps to it yet: each replica would repeat the same work
+        raise InputError(f"mesh.pipeline={sizes['pipeline']}: pipeline stages are not built yet, so the pipeline "
+                         "replicas would all do the same work; set mesh.pipeline=1 and give the devices to "
+                         "mesh.data, mesh.expert or mesh.tensor")
     tensor, expert = ("tensor",), ("expert",)
     need(cfg.n_routed_experts, expert, "model.n_routed_experts", "choose a mesh.expert that divides it")
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",

@@ -207,6 +207,8 @@ def test_capacity_output_matches_hand_computed_survivors():
     ({"data": 2, "tensor": 4}, dataclasses.replace(CFG, vocab_size=130), None, "vocab_size=130 is not divisible"),
     ({"data": 4, "expert": 2}, CFG, 12,
      r"global_batch=12 is not divisible by the data x expert mesh size 8 \(mesh.data=4 x mesh.expert=2\)"),
+    # No logical axis maps to `pipeline` yet: its replicas would repeat the same work, so it is refused.
+    ({"data": 4, "pipeline": 2}, CFG, None, "mesh.pipeline=2: pipeline stages are not built yet"),
 ])
 def test_invalid_meshes_say_what_to_change(shape, cfg, batch, message):
     # InputError: the CLIs print it as one `error:` line (exit 2) instead of a traceback.

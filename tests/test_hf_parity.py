@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -72,8 +73,7 @@ def test_fused_expert_names_load_identically(tmp_path, mesh1):
     fused = str(tmp_path / "fused")
     _fuse_experts(d, fused, cfg.num_hidden_layers, cfg.n_routed_experts)
     _, _, params2, buffers2 = load_hf(fused, mesh1)
-    for a, b in zip(jax.tree.leaves((params, buffers)), jax.tree.leaves((params2, buffers2))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal((params, buffers), (params2, buffers2))
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -89,8 +89,7 @@ def test_save_reproduces_released_tensors_and_round_trips(case, tmp_path, mesh1)
         np.testing.assert_array_equal(written[name], tensor, err_msg=name)
     cfg2, _, params2, buffers2 = load_hf(out, mesh1)
     assert cfg2 == cfg
-    for a, b in zip(jax.tree.leaves((params, buffers)), jax.tree.leaves((params2, buffers2))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal((params, buffers), (params2, buffers2))
 
 
 def test_bf16_export_and_shards(tmp_path, mesh1):

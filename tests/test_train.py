@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -94,11 +95,7 @@ def test_checkpoint_round_trip(run):
     config, state, summary = run
     cfg, _, params, buffers = checkpoint.load_params(config.run_dir, sharding.make_mesh({"data": 1}, jax.devices()[:1]))
     assert cfg.hidden_size == config.model.hidden_size and cfg.eos_token_id == (1,)
-    for want, got in ((state.params, params), (state.buffers, buffers)):
-        assert jax.tree.structure(want) == jax.tree.structure(got)
-        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
-            assert a.dtype == b.dtype
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal((state.params, state.buffers), (params, buffers), strict=True)  # dtypes too
     # Restored straight into another mesh's layout.
     mesh8 = sharding.make_mesh({"data": 2, "tensor": 2, "expert": 2})
     _, _, params8, _ = checkpoint.load_params(summary["checkpoint"], mesh8, dtype="bfloat16")
@@ -180,8 +177,7 @@ def test_loss_spikes_are_skipped_then_rolled_back(tmp_path, sample_corpus):
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
     final = checkpoint.load_params(os.path.join(config.run_dir, "checkpoints", "12"), mesh)[2]
     step9 = checkpoint.load_params(os.path.join(config.run_dir, "checkpoints", "9"), mesh)[2]
-    for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(step9)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(final, step9)
 
 
 def _one_phase_config(run_dir: str, corpus: str, steps: int):

@@ -88,7 +88,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
 
 
-def parse_bytes(text: str | int | float, what: str = "size") -> int:
+def parse_bytes(text: str | float, what: str = "size") -> int:
     """'80GiB', '80 GB', '80e9', '85899345920', 5e9 -> bytes. `what` names the flag in the error."""
     m = _SIZE.fullmatch(str(text))
     if not m or m.group(2).lower() not in _UNITS:

@@ -34,7 +34,7 @@ def _check(section: str, field: str, value: Any, ok: bool, why: str) -> None:
         raise InputError(f"{section}.{field}={value!r}: {why}; set --config.{section}.{field}")
 
 
-def _at_least(section: str, obj: Any, minimum: int | float, *fields: str, why: str = "") -> None:
+def _at_least(section: str, obj: Any, minimum: float, *fields: str, why: str = "") -> None:
     for f in fields:
         v = getattr(obj, f)
         _check(section, f, v, v >= minimum, f"must be >= {minimum}{why}")

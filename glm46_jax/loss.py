@@ -166,30 +166,38 @@ def loss_fn(params: nnx.State, buffers: nnx.State, batch: Batch, graphdef: nnx.G
     def masked_sum(x, m):
         return jnp.sum(x * _laid_out_like(m, x).astype(jnp.float32))
 
-    nll, lse = _nll_and_lse(out.logits, targets)
-    ce = masked_sum(nll, mask) / jnp.maximum(norms["tokens"], 1.0)
-    loss = ce
-    metrics: dict[str, Any] = {"ce": ce, "tokens": mask.sum().astype(jnp.float32)}
-    if loss_cfg.z_weight > 0:
-        z = masked_sum(jnp.square(lse), mask) / jnp.maximum(norms["tokens"], 1.0)
-        loss, metrics["z_loss"] = loss + loss_cfg.z_weight * z, z
+    # Named for profiles: the loss terms' ops (and their backward) show up under loss/..., apart
+    # from the model's forward.
+    with jax.named_scope("loss"):
+        nll, lse = _nll_and_lse(out.logits, targets)
+        ce = masked_sum(nll, mask) / jnp.maximum(norms["tokens"], 1.0)
+        loss = ce
+        metrics: dict[str, Any] = {"ce": ce, "tokens": mask.sum().astype(jnp.float32)}
+        if loss_cfg.z_weight > 0:
+            z = masked_sum(jnp.square(lse), mask) / jnp.maximum(norms["tokens"], 1.0)
+            loss, metrics["z_loss"] = loss + loss_cfg.z_weight * z, z
 
-    moe = "router_scores" in out.aux
-    aux_rows = jnp.zeros(targets.shape[:1], jnp.float32)
-    if moe:
-        aux_rows += sequence_aux_loss(out.aux["router_scores"], mask, cfg.num_experts_per_tok)
-        metrics["expert_load"], metrics["dropped_frac"] = out.aux["expert_load"], out.aux["dropped_frac"]
-    if use_mtp:
-        mtp_targets, mtp_mask = mtp_labels(targets, mask)
-        mtp_ce = masked_sum(token_nll(out.mtp_logits, mtp_targets), mtp_mask) / jnp.maximum(norms["mtp_tokens"], 1.0)
-        loss = loss + mtp_weight * mtp_ce
-        metrics["mtp_ce"] = mtp_ce
-        mtp_aux = out.aux["mtp"]
-        if loss_cfg.aux_include_mtp:
-            aux_rows += sequence_aux_loss(mtp_aux["router_scores"], mtp_mask, cfg.num_experts_per_tok)
-        metrics["mtp_expert_load"], metrics["mtp_dropped_frac"] = mtp_aux["expert_load"], mtp_aux["dropped_frac"]
-    if (moe or (use_mtp and loss_cfg.aux_include_mtp)) and loss_cfg.aux_weight > 0:
-        aux = jnp.sum(aux_rows) / jnp.maximum(norms["sequences"], 1.0)
-        loss, metrics["aux_loss"] = loss + loss_cfg.aux_weight * aux, aux
+        moe = "router_scores" in out.aux
+        aux_rows = jnp.zeros(targets.shape[:1], jnp.float32)
+        if moe:
+            with jax.named_scope("aux_loss"):
+                aux_rows += sequence_aux_loss(out.aux["router_scores"], mask, cfg.num_experts_per_tok)
+            metrics["expert_load"], metrics["dropped_frac"] = out.aux["expert_load"], out.aux["dropped_frac"]
+        if use_mtp:
+            with jax.named_scope("mtp_loss"):
+                mtp_targets, mtp_mask = mtp_labels(targets, mask)
+                mtp_ce = (masked_sum(token_nll(out.mtp_logits, mtp_targets), mtp_mask)
+                          / jnp.maximum(norms["mtp_tokens"], 1.0))
+                loss = loss + mtp_weight * mtp_ce
+            metrics["mtp_ce"] = mtp_ce
+            mtp_aux = out.aux["mtp"]
+            if loss_cfg.aux_include_mtp:
+                with jax.named_scope("aux_loss"):
+                    aux_rows += sequence_aux_loss(mtp_aux["router_scores"], mtp_mask, cfg.num_experts_per_tok)
+            metrics["mtp_expert_load"], metrics["mtp_dropped_frac"] = mtp_aux["expert_load"], mtp_aux["dropped_frac"]
+        if (moe or (use_mtp and loss_cfg.aux_include_mtp)) and loss_cfg.aux_weight > 0:
+            with jax.named_scope("aux_loss"):
+                aux = jnp.sum(aux_rows) / jnp.maximum(norms["sequences"], 1.0)
+                loss, metrics["aux_loss"] = loss + loss_cfg.aux_weight * aux, aux
     metrics["loss"] = loss
     return loss, metrics

@@ -116,8 +116,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cf
         grad_norm = optax.tree.norm(grads)
         grads = jax.tree.map(lambda g: jnp.where(spike, jnp.nan, g), grads)
         before = _finite_state(state.opt_state)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        with jax.named_scope("optimizer"):  # clip, Muon/AdamW, the non-finite skip and the apply, in profiles
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
         after = _finite_state(opt_state)
         applied = after.notfinite_count == 0 if after is not None else jnp.bool_(True)
 

@@ -147,6 +147,14 @@ def test_sharded_step_matches_one_device(mesh1):
             off, total = off + int(np.sum(np.abs(got - want) > 1e-5)), total + want.size
     assert off < 1e-3 * total, (off, total)
 
+def test_step_names_its_loss_and_optimizer_for_profiles(mesh1):
+    """Profiles group ops by these scope names; the lowered step carries them as op locations."""
+    _, state, step = _fresh(mesh1)
+    with sharding.use_mesh(mesh1):
+        text = step.lower(state, _put(_batch(0), mesh1), controls(0.3, 1e-2)).as_text(debug_info=True)
+    for scope in ("jit(step)/optimizer/", "jvp(loss)/", "/mtp_loss/", "/aux_loss/"):
+        assert scope in text, scope
+
 
 def test_nonfinite_step_is_skipped_and_counted(mesh1):
     _, state, step = _fresh(mesh1)

@@ -97,7 +97,7 @@ class OptimConfig:
         def bounds(field, meaning="", **kw):
             check_range("optim", self, field, meaning=meaning, **kw)
 
-        bounds("lr", gt=0, meaning="the peak learning rate")
+        bounds("lr", ge=0, meaning="the peak learning rate; 0 freezes the weights")
         bounds("end_lr", ge=0, meaning="the learning rate the schedule decays to")
         bounds("warmup_steps", ge=0)
         # 0 is allowed: the run config fills in the run's length, and the cosine spans warmup + 1 steps.

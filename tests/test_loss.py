@@ -3,6 +3,7 @@
 import dataclasses
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,8 +128,7 @@ def test_packed_batch_fixture_is_what_the_loader_builds():
     for row in range(2):
         got = shift_row({"tokens": x[row], "tokens_segment_ids": PACKED_SEGMENTS[row],
                          "tokens_positions": pos_full[row]}, pad_id=0)
-        for key in batch:
-            np.testing.assert_array_equal(got[key], batch[key][row], err_msg=key)
+        chex.assert_trees_all_equal(got, {key: v[row] for key, v in batch.items()})
 
 
 def test_mtp_labels_stop_at_document_boundaries():

@@ -2,6 +2,7 @@
 against one big batch, a (2,2,2,1)-sharded step against one device, the non-finite skip, a
 learnable task with Muon, and the expert-load CV with balancing on and off."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,11 +111,10 @@ def test_accumulating_four_micro_batches_equals_one_big_batch(mesh1):
         state_big, m_big = step_big(state_big, _put(big, mesh1), ctrl)
         state_acc, m_acc = step_acc(state_acc, _put(micro, mesh1, None), ctrl)
     m_big, m_acc = _host(m_big), _host(m_acc)
-    for k in ("loss", "ce", "mtp_ce", "aux_loss", "tokens", "grad_norm", "load_cv", "dropped_frac"):
-        np.testing.assert_allclose(m_acc[k], m_big[k], rtol=1e-5, atol=1e-7, err_msg=k)
-    for tree_big, tree_acc in ((state_big.params, state_acc.params), (state_big.buffers, state_acc.buffers)):
-        for (path, want), got in zip(_leaves(tree_big).items(), _leaves(tree_acc).values()):
-            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=path)
+    keys = ("loss", "ce", "mtp_ce", "aux_loss", "tokens", "grad_norm", "load_cv", "dropped_frac")
+    chex.assert_trees_all_close({k: m_acc[k] for k in keys}, {k: m_big[k] for k in keys}, rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close((_leaves(state_acc.params), _leaves(state_acc.buffers)),
+                                (_leaves(state_big.params), _leaves(state_big.buffers)), atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
@@ -132,19 +132,18 @@ def test_sharded_step_matches_one_device(mesh1):
         assert jax.tree.map(lambda x: x.sharding, state.params) == want
         results[name] = _host(metrics), _leaves(state.params), _leaves(state.buffers)
     assert results["mesh"][1]["['moe_layers']['mlp']['gate_proj'].value"].shape == (2, 8, 64, 32)
-    for k in ("loss", "ce", "mtp_ce", "aux_loss", "grad_norm", "update_rms", "load_cv"):
-        np.testing.assert_allclose(results["mesh"][0][k], results["one"][0][k], rtol=1e-5, err_msg=k)
+    keys = ("loss", "ce", "mtp_ce", "aux_loss", "grad_norm", "update_rms", "load_cv")
+    chex.assert_trees_all_close({k: results["mesh"][0][k] for k in keys}, {k: results["one"][0][k] for k in keys},
+                                rtol=1e-5, atol=0)
     # Adam divides each element by its own gradient RMS: where that is ~1e-7 the reduction-order
     # noise of a sharded sum (~1e-7 relative) becomes a visible fraction of one lr-sized step.
     # Measured: a handful of elements off by 1-2e-5 (1 of 32768 in lm_head; on an AVX-512 host also 1 of
     # the MTP layer's 128 q_bias entries) at lr 1e-2; everything else < 1e-5. So: every element within 1e-4,
     # and fewer than 0.1% of all elements beyond 1e-5.
-    off = total = 0
-    for i in (1, 2):
-        for path, want in results["one"][i].items():
-            got = results["mesh"][i][path]
-            np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=path)
-            off, total = off + int(np.sum(np.abs(got - want) > 1e-5)), total + want.size
+    chex.assert_trees_all_close(results["mesh"][1:], results["one"][1:], atol=1e-4, rtol=0)
+    pairs = [(results["mesh"][i][path], want) for i in (1, 2) for path, want in results["one"][i].items()]
+    off = sum(int(np.sum(np.abs(got - want) > 1e-5)) for got, want in pairs)
+    total = sum(want.size for _, want in pairs)
     assert off < 1e-3 * total, (off, total)
 
 def test_step_names_its_loss_and_optimizer_for_profiles(mesh1):
@@ -176,10 +175,8 @@ def test_nonfinite_step_is_skipped_and_counted(mesh1):
             state, m = step(state, batch, controls(0.3, 1e-2))
             assert (int(m["skipped"]), int(m["nonfinite_in_a_row"]), int(m["nonfinite_total"])) == (1, n, n)
             assert float(m["bias_rate"]) == 0.0
-        for path, want in poisoned.items():  # nothing moved, not even the biases
-            np.testing.assert_array_equal(_leaves(state.params)[path], want, err_msg=path)
-        for path, want in bias0.items():
-            np.testing.assert_array_equal(_leaves(state.buffers)[path], want, err_msg=path)
+        # Nothing moved, not even the biases.
+        chex.assert_trees_all_equal((_leaves(state.params), _leaves(state.buffers)), (poisoned, bias0))
         state = with_embedding(state, table)
         before = state
         state, m = step(state, batch, controls(0.3, 1e-2))

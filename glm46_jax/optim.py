@@ -38,7 +38,6 @@ import optax
 from glm46_jax.config import check_choice, check_field, check_range
 from glm46_jax.model.paths import LAYER_STACKS, path_names
 
-
 # --- the optimizer split (the plan tool counts optimizer state with it too) -----------------------
 
 def optimizer_group(path: str | Sequence[Any], ndim: int | None = None, *, router: str = "adam") -> str:

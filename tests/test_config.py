@@ -114,7 +114,7 @@ def assert_names_the_field(err, section, field, value):
     """The CLI form: "<section>.<field>=<value>: <why>; <what to do with --config.<section>...>"."""
     msg = str(err.value)
     assert msg.startswith(f"{section}.{field}={value!r}: "), msg
-    why, _, fix = msg.partition("; ")
+    _, _, fix = msg.partition("; ")
     assert fix and f"--config.{section}." in fix, msg
 
 

@@ -8,8 +8,10 @@ import jax
 import pytest
 
 from glm46_jax.bench import _table, bench
+from glm46_jax.cli import InputError
 from glm46_jax.config import get_preset
 from glm46_jax.counting import flops_per_token
+from glm46_jax.run_config import from_config_dict
 
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "pretrain.py")
 
@@ -29,7 +31,7 @@ def test_bench_reports_consistent_numbers():
     accum, n = 2, 4
     config = _config(accum_steps=accum)
     config.mesh = {"data": 2, "expert": 2}
-    r = bench(config, steps=2, warmup=1, devices=jax.devices()[:n])
+    r = bench(from_config_dict(config), steps=2, warmup=1, devices=jax.devices()[:n])
     tokens = 8 * 32
     assert r["model_flops_per_token"] == flops_per_token(get_preset("tiny"), 32)
     assert r["step_s_min"] <= r["step_s_median"] <= r["step_s_max"]
@@ -43,5 +45,5 @@ def test_bench_reports_consistent_numbers():
 
 
 def test_bench_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="steps"):
-        bench(_config(), steps=0)
+    with pytest.raises(InputError, match="--steps=0 must be >= 1"):
+        bench(from_config_dict(_config()), steps=0)

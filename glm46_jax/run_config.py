@@ -21,7 +21,7 @@ from typing import Any
 
 from glm46_jax.balancing import BalanceConfig
 from glm46_jax.cli import InputError
-from glm46_jax.config import ModelConfig, model_config_from_dict
+from glm46_jax.config import ModelConfig, check_choice, check_field, check_range, model_config_from_dict
 from glm46_jax.data import curriculum as curriculum_lib
 from glm46_jax.data.curriculum import Curriculum
 from glm46_jax.loss import LossConfig
@@ -29,15 +29,9 @@ from glm46_jax.optim import OptimConfig
 from glm46_jax.sharding import MESH_AXES
 
 
-def _check(section: str, field: str, value: Any, ok: bool, why: str) -> None:
-    if not ok:
-        raise InputError(f"{section}.{field}={value!r}: {why}; set --config.{section}.{field}")
-
-
-def _at_least(section: str, obj: Any, minimum: float, *fields: str, why: str = "") -> None:
-    for f in fields:
-        v = getattr(obj, f)
-        _check(section, f, v, v >= minimum, f"must be >= {minimum}{why}")
+def _at_least(section: str, obj: Any, minimum: float, *fields: str, meaning: str = "") -> None:
+    for field in fields:
+        check_range(section, obj, field, ge=minimum, meaning=meaning)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +50,12 @@ class TrainConfig:
     tensorboard: bool = True
 
     def __post_init__(self):
-        _at_least("train", self, 0, "steps", why=" (0 = until the curriculum's tokens are spent)")
-        _at_least("train", self, 0, "eval_every", why=" (0 = no periodic eval)")
+        _at_least("train", self, 0, "steps", meaning="0 = until the curriculum's tokens are spent")
+        _at_least("train", self, 0, "eval_every", meaning="0 = no periodic eval")
+        _at_least("train", self, 0, "spike_factor", meaning="0 = off; else a multiple of the running mean loss")
         _at_least("train", self, 0, "seed", "spike_warmup")
         _at_least("train", self, 1, "log_every", "eval_batches", "accum_steps", "max_nonfinite", "rollback_after")
-        _check("train", "bad_steps", self.bad_steps, self.bad_steps in ("skip", "rollback"),
-               "expected 'skip' or 'rollback'")
-        _check("train", "spike_factor", self.spike_factor, self.spike_factor >= 0,
-               "must be >= 0 (0 = off; else a multiple of the running mean loss)")
+        check_choice("train", self, "bad_steps", ("skip", "rollback"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +69,8 @@ class CheckpointConfig:
 
     def __post_init__(self):
         _at_least("checkpoint", self, 1, "every")
-        _at_least("checkpoint", self, 0, "keep", why=" (0 keeps all)")
-        _check("checkpoint", "resume", self.resume, self.resume in ("auto", "never"), "expected 'auto' or 'never'")
+        _at_least("checkpoint", self, 0, "keep", meaning="0 keeps all")
+        check_choice("checkpoint", self, "resume", ("auto", "never"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +85,7 @@ class DataConfig:
     def __post_init__(self):
         _at_least("data", self, 0, "seed", "num_workers")
         _at_least("data", self, 1, "read_threads")
-        _check("data", "process_split", self.process_split, self.process_split in ("documents", "rows"),
-               "expected 'documents' or 'rows'")
+        check_choice("data", self, "process_split", ("documents", "rows"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +98,8 @@ class MeshConfig:
     def __post_init__(self):
         sizes = self.sizes()
         for axis, size in sizes.items():
-            _check("mesh", axis, size, size >= 1 or size == -1, "must be >= 1, or -1 for 'the remaining devices'")
+            check_field("mesh", axis, size, isinstance(size, int) and (size >= 1 or size == -1),
+                        "must be >= 1, or -1 for 'the remaining devices'", f"set --config.mesh.{axis}")
         if list(sizes.values()).count(-1) > 1:
             raise InputError(f"mesh: at most one axis may be -1 (got {sizes}); give the others explicit sizes")
 
@@ -127,8 +119,8 @@ class DistributedConfig:
     shutdown_timeout_s: int = 60
 
     def __post_init__(self):
-        _check("distributed", "mode", self.mode, self.mode in ("auto", "off"),
-               "expected 'auto' (explicit settings, else Slurm, else one process) or 'off' (always one process)")
+        check_choice("distributed", self, "mode", ("auto", "off"),
+                     "auto: explicit settings, else Slurm, else one process; off: always one process")
         _at_least("distributed", self, 0, "num_processes")
         _at_least("distributed", self, 1, "initialization_timeout_s", "heartbeat_timeout_s", "shutdown_timeout_s")
         given = {"coordinator": bool(self.coordinator), "num_processes": self.num_processes > 0,
@@ -136,9 +128,9 @@ class DistributedConfig:
         if any(given.values()) and not all(given.values()):
             raise InputError(f"distributed: {[k for k, v in given.items() if not v]} must be set together with "
                              f"{[k for k, v in given.items() if v]} (or none of them, for Slurm auto-detection)")
-        if all(given.values()) and self.process_id >= self.num_processes:
-            raise InputError(f"distributed.process_id={self.process_id}: must be in [0, num_processes="
-                             f"{self.num_processes})")
+        if all(given.values()):
+            check_field("distributed", "process_id", self.process_id, self.process_id < self.num_processes,
+                        f"must be in [0, num_processes={self.num_processes})", "set --config.distributed.process_id")
 
     @property
     def explicit(self) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import platform
-import subprocess
 import tempfile
 import time
 
@@ -25,20 +24,13 @@ from absl import flags
 from ml_collections import config_flags
 
 from glm46_jax import cli
+from glm46_jax.bench import git_commit
+from glm46_jax.checkpoint import Checkpointer
 from glm46_jax.pretrain import build
 from glm46_jax.run_config import from_config_dict
-from glm46_jax.checkpoint import Checkpointer
 
 _SAVES = flags.DEFINE_integer("saves", 5, "Saves timed per mode.")
 _DIR = flags.DEFINE_string("dir", None, "Where to write (default: a temporary directory, removed after).")
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _time_saves(directory: str, state, saves: int, async_save: bool) -> tuple[list[float], list[float]]:
@@ -65,7 +57,7 @@ def main(argv):
     result = {"preset": cfg.source["model"]["preset"], "num_hidden_layers": cfg.model.num_hidden_layers,
               "params": n_params, "state_gib": state_bytes / 2**30, "mesh": dict(run.mesh.shape),
               "device": f"{jax.devices()[0].device_kind} x{jax.device_count()} ({platform.processor() or 'cpu'})",
-              "commit": _commit(), "saves": _SAVES.value}
+              "commit": git_commit(), "saves": _SAVES.value}
     with tempfile.TemporaryDirectory(dir=_DIR.value) as tmp:
         for mode, async_save in (("async", True), ("sync", False)):
             blocking, total = _time_saves(f"{tmp}/{mode}", state, _SAVES.value, async_save)

@@ -15,11 +15,11 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import time
 
 from absl import flags
 
+from glm46_jax.bench import git_commit
 from glm46_jax.data.loader import LoaderConfig, training_batches
 
 SHAPES = (  # (name, seq_len, rows, pack)
@@ -50,7 +50,7 @@ def main():
     p.add_argument("--batches", type=int, default=50)
     args = p.parse_args()
     flags.FLAGS.mark_as_parsed()  # grain's mp_prefetch reads absl flags
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     print(f"device: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; commit {commit}")
     print(f"{'shape':<16} {'seq':>6} {'rows':>5} {'pack':<9} {'workers':>7} {'tokens/s':>12}")
     results = []

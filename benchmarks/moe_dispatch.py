@@ -29,7 +29,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from functools import partial
@@ -37,6 +36,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from glm46_jax.bench import git_commit
 from glm46_jax.config import TINY
 from glm46_jax.model.experts import expert_capacity, grouped_experts
 from glm46_jax.model.moe import route
@@ -117,17 +117,6 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=ROOT, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "glm46_jax", "benchmarks/moe_dispatch.py"],
-                               capture_output=True, text=True, cwd=ROOT, check=False).stdout.strip()
-        return out + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv=None) -> dict:

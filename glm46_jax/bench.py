@@ -16,6 +16,7 @@ on CPU the host's own measured fp32 matmul throughput (all virtual devices share
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from collections.abc import Sequence
@@ -36,10 +37,16 @@ _OUT = flags.DEFINE_string("out", None, "Also write the JSON result here.")
 _PHASE = flags.DEFINE_string("phase", None, "Curriculum phase whose shapes to time (default: the first).")
 
 
-def _commit() -> str:
+def git_commit() -> str:
+    """The checkout's short commit, "+dirty" when tracked files differ from it: what a benchmark record names
+    (benchmarks/ use it too)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=root, check=False).stdout.strip()
+        return out + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -79,7 +86,7 @@ def bench(cfg: RunConfig, steps: int = 20, warmup: int = 3,
     flops = run.flops_per_token(phase) * tokens / step_s
     return {
         "preset": cfg.source.get("model", {}).get("preset", "?"), "device": f"{len(devs)} x {devs[0].device_kind}",
-        "commit": _commit(), "phase": phase.name, "global_batch": rows, "seq_len": seq_len,
+        "commit": git_commit(), "phase": phase.name, "global_batch": rows, "seq_len": seq_len,
         "accum_steps": cfg.train.accum_steps, "dtype": cfg.model.dtype, "remat": cfg.model.remat,
         "compile_s": compile_s, "step_s_median": step_s, "step_s_min": float(np.min(times)),
         "step_s_max": float(np.max(times)), "tokens_per_s": tokens / step_s,

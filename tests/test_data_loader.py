@@ -14,6 +14,7 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from glm46_jax import sharding
+from glm46_jax.cli import InputError
 from glm46_jax.data import iterator_state, loader
 from glm46_jax.data.curriculum import BatchRamp, Curriculum, CurriculumIterator, Phase
 from glm46_jax.data.loader import LoaderConfig
@@ -381,17 +382,19 @@ def test_clear_errors(corpus, tmp_path):
 def test_invalid_phases_and_curricula_say_what_is_wrong(corpus):
     root, _ = corpus
     ok = {"name": "p", "tokens": 1000, "seq_len": 16, "global_batch": 4, "mixture": {"web": 1}, "rope_theta": 1e4}
-    for change, message in [({"seq_len": 0}, "seq_len=0"), ({"global_batch": 0}, "global_batch=0"),
-                            ({"mixture": {"web": 0}}, "positive weight"), ({"pack": "greedy"}, "pack="),
-                            ({"batch_ramp": BatchRamp(3, 100, 2)}, "batch_ramp"),
-                            ({"batch_ramp": BatchRamp(4, 100, 2)}, "batch_ramp")]:
-        with pytest.raises(ValueError, match=message):
+    # InputError: the train CLI prints it as one line naming the config path (exit 2).
+    for change, message in [({"seq_len": 0}, "data.phases.p.seq_len=0: "),
+                            ({"global_batch": 0}, "data.phases.p.global_batch=0: "),
+                            ({"mixture": {"web": 0}}, "positive weight"), ({"pack": "greedy"}, "data.phases.p.pack="),
+                            ({"batch_ramp": BatchRamp(3, 100, 2)}, "data.phases.p.batch_ramp"),
+                            ({"batch_ramp": BatchRamp(4, 100, 2)}, "data.phases.p.batch_ramp")]:
+        with pytest.raises(InputError, match=message):
             Phase(**{**ok, **change})
-    with pytest.raises(ValueError, match="less than one batch of the previous phase"):
+    with pytest.raises(InputError, match=r"data.phases.q.tokens=10: less than one batch of the previous phase"):
         Curriculum((Phase(**ok), Phase(**{**ok, "name": "q", "tokens": 10})))
-    with pytest.raises(ValueError, match="unique"):
+    with pytest.raises(InputError, match="unique"):
         Curriculum((Phase(**ok), Phase(**ok)))
-    with pytest.raises(ValueError, match="does not split over 3"):
+    with pytest.raises(InputError, match="does not split over 3"):
         CurriculumIterator(Curriculum((Phase(**ok),)), cfg_for(root, process_count=3))
     with pytest.raises(ValueError, match="does not have at that index"):
         CurriculumIterator(Curriculum((Phase(**ok),)), cfg_for(root),

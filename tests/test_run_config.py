@@ -96,6 +96,7 @@ def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:
     ("glm46_jax.train", ["--config=configs/pretrain.py:nosuch"], "unknown preset 'nosuch'"),
     ("glm46_jax.train", ["--config.optim.lr=abc"], "--config.optim.lr=abc"),
     ("glm46_jax.train", ["--config.optim.lr=-1"], "optim.lr=-1"),
+    ("glm46_jax.train", ["--config.data.phases.general.seq_len=0"], "data.phases.general.seq_len=0"),
     ("glm46_jax.bench", ["--phase=nosuch"], "--phase='nosuch'"),
 ])
 def test_cli_user_errors_are_one_line_and_exit_2(tmp_path, module, args, expect):

@@ -30,6 +30,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from glm46_jax.cli import InputError
 from glm46_jax.data import iterator_state, loader
 from glm46_jax.data.loader import Batch, LoaderConfig, PackMode
 
@@ -54,7 +55,8 @@ class Phase:
 
     def __post_init__(self):
         def bad(field: str, why: str):
-            raise ValueError(f"Phase {self.name!r}: {field}={getattr(self, field)!r} {why}")
+            raise InputError(f"data.phases.{self.name}.{field}={getattr(self, field)!r}: {why}; set "
+                             f"--config.data.phases.{self.name}.{field}")
 
         if self.tokens < 1:
             bad("tokens", "must be a positive token budget")
@@ -95,14 +97,14 @@ class Curriculum:
     def __post_init__(self):
         object.__setattr__(self, "phases", tuple(self.phases))
         if not self.phases:
-            raise ValueError("Curriculum needs at least one phase")
+            raise InputError("data.phases is empty: a run needs at least one curriculum phase")
         names = [p.name for p in self.phases]
         if len(set(names)) != len(names):
-            raise ValueError(f"Curriculum phase names {names} must be unique (they identify checkpoints)")
+            raise InputError(f"data.phases: names {names} must be unique (they identify checkpoints)")
         for prev, nxt in itertools.pairwise(self.phases):
             # The last step of `prev` overshoots its end by < one batch; a shorter phase could be skipped.
             if nxt.tokens < prev.global_batch * prev.seq_len:
-                raise ValueError(f"Phase {nxt.name!r}: tokens={nxt.tokens} is less than one batch of the "
+                raise InputError(f"data.phases.{nxt.name}.tokens={nxt.tokens}: less than one batch of the "
                                  f"previous phase ({prev.global_batch * prev.seq_len} tokens); raise it")
 
     @property
@@ -137,7 +139,7 @@ class CurriculumIterator:
         self.process_count = cfg.processes[1]
         for p in curriculum.phases:
             if p.rows_unit % self.process_count:
-                raise ValueError(f"Phase {p.name!r}: batches grow in units of {p.rows_unit} rows, which does not "
+                raise InputError(f"data.phases.{p.name}: batches grow in units of {p.rows_unit} rows, which does not "
                                  f"split over {self.process_count} data-loading processes")
         self.phase_index, self.tokens_seen, self.step = 0, 0, 0
         self._data: grain.DatasetIterator | None = None
@@ -187,7 +189,7 @@ class CurriculumIterator:
     def set_state(self, state: Mapping[str, Any]) -> None:
         index = int(state["phase_index"])
         if not 0 <= index < len(self.curriculum.phases) or self.curriculum.phases[index].name != state["phase_name"]:
-            raise ValueError(f"checkpointed data state is in phase {index} {state['phase_name']!r}, which this "
+            raise InputError(f"checkpointed data state is in phase {index} {state['phase_name']!r}, which this "
                              f"curriculum ({[p.name for p in self.curriculum.phases]}) does not have at that index")
         self.close()
         self.phase_index, self.tokens_seen, self.step = index, int(state["tokens_seen"]), int(state["step"])
@@ -224,7 +226,7 @@ def from_config(phases: Mapping[str, Mapping[str, Any]], order: Sequence[str]) -
     rounded to exact ints here.
     """
     if sorted(order) != sorted(phases):
-        raise ValueError(f"data.phase_order={list(order)} must name each phase of data.phases "
+        raise InputError(f"data.phase_order={list(order)} must name each phase of data.phases "
                          f"({sorted(phases)}) exactly once")
     out = []
     for name in order:

@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from glm46_jax import sharding
+from glm46_jax.cli import InputError
 
 PackMode = Literal["concat", "best_fit"]
 PACK_MODES: tuple[str, ...] = ("concat", "best_fit")
@@ -85,7 +86,7 @@ def read_metadata(root: str) -> dict[str, Any]:
         meta = json.load(f)
     missing = [k for k in ("vocab_size", "eos_id", "pad_id") if k not in meta.get("tokenizer", {})]
     if missing:
-        raise ValueError(f"{path}: tokenizer.{missing} missing; data_prep must record the tokenizer's ids")
+        raise InputError(f"{path}: tokenizer.{missing} missing; data_prep must record the tokenizer's ids")
     tok = meta["tokenizer"]
     if tok["pad_id"] is None:  # corpora written before data_prep fell back to EOS for a tokenizer without a pad
         tok["pad_id"] = tok["eos_id"]
@@ -136,11 +137,11 @@ class _DecodeDocument(grain.transforms.Map):
 
     def map(self, record: bytes) -> dict[str, np.ndarray]:
         if len(record) % 4 or not record:
-            raise ValueError(f"domain {self.domain!r}: a record of {len(record)} bytes is not a non-empty "
+            raise InputError(f"domain {self.domain!r}: a record of {len(record)} bytes is not a non-empty "
                              "int32 token array; re-run data_prep")
         tokens = np.frombuffer(record, "<i4").astype(np.int32)
         if tokens[-1] != self.eos_id or tokens.min() < 0 or tokens.max() >= self.vocab_size:
-            raise ValueError(f"domain {self.domain!r}: a document does not end in eos_id={self.eos_id} or has "
+            raise InputError(f"domain {self.domain!r}: a document does not end in eos_id={self.eos_id} or has "
                              f"ids outside [0, {self.vocab_size}); the corpus and metadata.json disagree")
         return {"tokens": tokens}
 
@@ -176,12 +177,12 @@ def document_weights(cfg: LoaderConfig, weights: Mapping[str, float]) -> dict[st
     known = known_domains(cfg.root)
     unknown = sorted(set(weights) - set(known))
     if unknown:
-        raise ValueError(f"mixture weights name unknown domains {unknown}; the corpus at {cfg.root} has {known}")
+        raise InputError(f"mixture weights name unknown domains {unknown}; the corpus at {cfg.root} has {known}")
     if any(not np.isfinite(w) or w < 0 for w in weights.values()):
-        raise ValueError(f"mixture weights {dict(weights)} must be finite and >= 0")
+        raise InputError(f"mixture weights {dict(weights)} must be finite and >= 0")
     kept = {d: float(w) for d, w in sorted(weights.items()) if w > 0}
     if not kept:
-        raise ValueError(f"mixture weights {dict(weights)}: at least one domain needs a positive weight")
+        raise InputError(f"mixture weights {dict(weights)}: at least one domain needs a positive weight")
     if cfg.weight_unit == "tokens":
         kept = {d: w / _mean_document_length(cfg, d) for d, w in kept.items()}
     return kept

@@ -113,10 +113,11 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # phase's batch must divide). Bad steps (a NaN/Inf, or with spike_factor > 0 a loss above
     # spike_factor x its running mean, after spike_warmup steps) are skipped; bad_steps="skip" stops the run after
     # max_nonfinite of them in a row, "rollback" restores the last checkpoint's weights after
-    # rollback_after in a row and goes on with the next data.
-    c.train = dict(steps=0, seed=0, log_every=50, eval_every=500, eval_batches=8, accum_steps=1,
-                   bad_steps="skip", max_nonfinite=10, rollback_after=3, spike_factor=0.0, spike_warmup=10,
-                   tensorboard=True)
+    # rollback_after in a row and goes on with the next data. eval_every=0: no periodic eval (each phase still
+    # ends with one); eval_per_domain: also the held-out CE of each domain of the mixture alone (eval/<domain>/ce).
+    c.train = dict(steps=0, seed=0, log_every=50, eval_every=500, eval_batches=8, eval_per_domain=False,
+                   accum_steps=1, bad_steps="skip", max_nonfinite=10, rollback_after=3, spike_factor=0.0,
+                   spike_warmup=10, tensorboard=True)
     c.train.update(p.get("train", {}))
 
     # Orbax checkpoints in <run_dir>/checkpoints: every N steps (and at the end, and on SIGTERM/SIGUSR1),

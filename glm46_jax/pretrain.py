@@ -107,19 +107,26 @@ class Pretraining:
         return StepInput(phase, self.device_batch(local), self.controls_at(tokens_before, max_loss),
                          self.data.tokens_seen, self.data.get_state())
 
-    def eval_batches(self, phase: Phase, count: int) -> list[dict[str, jax.Array]]:
-        """`count` held-out batches of the phase's mixture, length and packing; [] when the corpus has
-        no held-out data for any of its domains (a domain without any is left out, with a warning)."""
+    def eval_batches(self, phase: Phase, count: int) -> dict[str, list[dict[str, jax.Array]]]:
+        """`count` held-out batches of the phase's mixture (name ""), length and packing, and with
+        train.eval_per_domain of each of its domains alone (named by the domain: "domain vs general" in
+        mid-training). A domain without held-out data is left out with a warning; {} when none has any."""
         mixture = {d: w for d, w in phase.mixture.items() if w > 0}
         present = {d: w for d, w in mixture.items() if loader.has_split(self.loader_cfg.root, d, "heldout")}
         if present.keys() != mixture.keys():
             logging.warning("phase %s: no held-out data for %s in %s; evaluating on %s", phase.name,
                             sorted(mixture.keys() - present.keys()), self.loader_cfg.root, sorted(present) or "nothing")
         if not present:
-            return []
+            return {}
+        sets = {"": present}
+        if self.cfg.train.eval_per_domain:
+            sets.update({d: {d: 1.0} for d in present})
         cfg = dataclasses.replace(self.loader_cfg, split="heldout")
-        it = iter(loader.training_batches(cfg, present, phase.seq_len, phase.global_batch, phase.pack))
-        return [self.device_batch(next(it), train=False) for _ in range(count)]
+        out = {}
+        for name, weights in sets.items():
+            it = iter(loader.training_batches(cfg, weights, phase.seq_len, phase.global_batch, phase.pack))
+            out[name] = [self.device_batch(next(it), train=False) for _ in range(count)]
+        return out
 
     def checkpoint_meta(self, phase: Phase, tokens_seen: int) -> dict[str, Any]:
         return {"model_config": dataclasses.asdict(self.model_for(phase)), "phase": phase.name,

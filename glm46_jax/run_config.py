@@ -41,6 +41,7 @@ class TrainConfig:
     log_every: int = 50
     eval_every: int = 500  # 0 = no periodic eval (every phase still ends with one)
     eval_batches: int = 8
+    eval_per_domain: bool = False  # also eval/<domain>/ce for each domain of a phase's mixture, alone
     accum_steps: int = 1  # micro-batches per step
     bad_steps: str = "skip"  # skip | rollback
     max_nonfinite: int = 10  # "skip": stop after this many bad steps in a row

@@ -58,7 +58,8 @@ class Recipe(Protocol):
 
     def next_input(self, max_loss: float) -> StepInput: ...  # max_loss: the spike threshold for that step
     def steps_for(self, segment: Any) -> tuple[Callable, Callable]: ...  # jitted (train_step, eval_step)
-    def eval_batches(self, segment: Any, count: int) -> list[dict[str, jax.Array]]: ...  # [] = no held-out data
+    # Held-out sets by name ("" = the segment's own mixture, else e.g. a domain); {} = no held-out data.
+    def eval_batches(self, segment: Any, count: int) -> dict[str, list[dict[str, jax.Array]]]: ...
     def flops_per_token(self, segment: Any) -> float: ...
     def describe(self, segment: Any) -> dict[str, float]: ...  # scalars logged with each train record
     def checkpoint_meta(self, segment: Any, tokens_seen: int) -> dict[str, Any]: ...
@@ -197,7 +198,7 @@ class Programs:
     def __init__(self, recipe: Recipe, eval_batches: int, timer: StepTimer):
         self.recipe, self.eval_count, self.timer = recipe, eval_batches, timer
         self.compiled: dict[tuple, tuple[Any, Any | None]] = {}
-        self.eval_sets: dict[str, list] = {}
+        self.eval_sets: dict[str, dict[str, list]] = {}
         self.compile_s = 0.0
 
     def get(self, state: Any, inp: StepInput) -> tuple[Any, Any | None]:
@@ -207,9 +208,10 @@ class Programs:
             train_step, eval_step = self.recipe.steps_for(inp.segment)
             if inp.segment.name not in self.eval_sets:
                 self.eval_sets[inp.segment.name] = self.recipe.eval_batches(inp.segment, self.eval_count)
-            evals = self.eval_sets[inp.segment.name]
+            # Every held-out set of a segment has its batch shape: one compiled eval step serves them all.
+            first = next((b[0] for b in self.eval_sets[inp.segment.name].values() if b), None)
             self.compiled[key] = (train_step.lower(state, inp.batch, inp.controls).compile(),
-                                  eval_step.lower(state, evals[0], inp.controls).compile() if evals else None)
+                                  eval_step.lower(state, first, inp.controls).compile() if first else None)
             seconds = time.perf_counter() - t0
             self.compile_s += seconds
             self.timer.exclude(seconds)  # a new segment's compile is not step time
@@ -217,12 +219,16 @@ class Programs:
         return self.compiled[key]
 
     def evaluate(self, state: Any, segment: Any, eval_step: Any, controls: Any) -> dict[str, float]:
-        """Mean of the eval metrics over the segment's held-out batches; {} without held-out data."""
+        """Mean eval metrics over each held-out set of the segment: `eval/<metric>` for its mixture,
+        `eval/<set>/<metric>` for a named set (a domain); {} without held-out data."""
         if eval_step is None:
             return {}
-        per_batch = jax.device_get([eval_step(state, b, controls) for b in self.eval_sets[segment.name]])
-        out = {f"eval/{k}": float(np.mean([m[k] for m in per_batch])) for k in per_batch[0]}
-        out["eval/ppl"] = float(np.exp(out["eval/ce"]))  # of the mean CE, not the mean of ppls
+        out = {}
+        for name, batches in self.eval_sets[segment.name].items():
+            per_batch = jax.device_get([eval_step(state, b, controls) for b in batches])
+            prefix = f"eval/{name}/" if name else "eval/"
+            out.update({f"{prefix}{k}": float(np.mean([m[k] for m in per_batch])) for k in per_batch[0]})
+            out[f"{prefix}ppl"] = float(np.exp(out[f"{prefix}ce"]))  # of the mean CE, not the mean of ppls
         return out
 
 

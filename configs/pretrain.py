@@ -121,10 +121,11 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.train.update(p.get("train", {}))
 
     # Orbax checkpoints in <run_dir>/checkpoints: every N steps (and at the end, and on SIGTERM/SIGUSR1),
-    # the last `keep` (0 = all) plus, with keep_best, the best by held-out CE. resume: "auto" continues
+    # the last `keep` (0 = all) plus, with keep_best, the best by best_metric. resume: "auto" continues
     # from the newest complete checkpoint, "never" starts over. init_from: a run dir / checkpoint
     # (e.g. from `python -m glm46_jax.convert hf-to-ckpt`) whose weights start a new run.
-    c.checkpoint = dict(every=500, keep=3, keep_best=False, async_save=True, resume="auto", init_from="")
+    c.checkpoint = dict(every=500, keep=3, keep_best=False, best_metric="eval/ce", async_save=True, resume="auto",
+                        init_from="")
     c.checkpoint.update(p.get("checkpoint", {}))
 
     # The corpus written by data_prep (`<root>/<domain>/<split>/*.array_record` + metadata.json).

@@ -63,7 +63,8 @@ class TrainConfig:
 class CheckpointConfig:
     every: int = 500  # steps between saves (and always at the end and on SIGTERM/SIGUSR1)
     keep: int = 3  # the last `keep` steps; 0 = all
-    keep_best: bool = False  # also the best by held-out CE
+    keep_best: bool = False  # also the best step by `best_metric` (lower is better)
+    best_metric: str = "eval/ce"  # e.g. "eval/code/ce" (with train.eval_per_domain) in mid-training
     async_save: bool = True
     resume: str = "auto"  # auto: continue from the newest complete checkpoint | never: start fresh
     init_from: str = ""  # a run dir / checkpoint whose weights start a new run
@@ -72,6 +73,9 @@ class CheckpointConfig:
         _at_least("checkpoint", self, 1, "every")
         _at_least("checkpoint", self, 0, "keep", meaning="0 keeps all")
         check_choice("checkpoint", self, "resume", ("auto", "never"))
+        check_field("checkpoint", "best_metric", self.best_metric, self.best_metric.startswith("eval/"),
+                    "must name a held-out metric (eval/ce, or eval/<domain>/ce with train.eval_per_domain)",
+                    "set --config.checkpoint.best_metric")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +157,12 @@ class RunConfig:
     # The config file's values as given (JSON): written to run_dir/config.json and the checkpoints' meta,
     # so a run can be reproduced from them.
     source: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        metric = self.checkpoint.best_metric
+        if self.checkpoint.keep_best and metric.count("/") > 1 and not self.train.eval_per_domain:
+            raise InputError(f"checkpoint.best_metric={metric!r} is a per-domain metric, which only "
+                             "train.eval_per_domain=True computes; set it, or rank by eval/ce")
 
     @property
     def total_steps(self) -> int:

@@ -74,7 +74,7 @@ def train(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
 
     c = cfg.checkpoint
     ckpt = checkpoint.Checkpointer(cfg.run_dir, every=c.every, keep=c.keep or None, async_save=c.async_save,
-                                   best_metric="eval/ce" if c.keep_best else None)
+                                   best_metric=c.best_metric if c.keep_best else None)
     try:
         start_step, state, data_state = checkpoint.resume_or_init(
             ckpt, state, resume=c.resume, init_from=c.init_from, model_cfg=cfg.model, mesh=recipe.mesh,

@@ -345,7 +345,7 @@ def _step(loop: _Loop, step: int, state: Any, inp: StepInput) -> tuple[Any, Step
         ranked = loop.progress.last_eval if loop.progress.last_eval_step == step else {}
         t0 = time.perf_counter()
         loop.ckpt.save(step, state, inp.data_state, recipe.checkpoint_meta(inp.segment, inp.tokens_seen),
-                       metrics={"eval/ce": ranked["eval/ce"]} if "eval/ce" in ranked else None)
+                       metrics=ranked or None)
         loop.save_block_s.append(time.perf_counter() - t0)  # the async save's cost to the loop
     return state, nxt, stopping
 

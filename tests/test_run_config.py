@@ -106,3 +106,33 @@ def test_cli_user_errors_are_one_line_and_exit_2(tmp_path, module, args, expect)
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     errors = _error_lines(proc)
     assert len(errors) == 1 and expect in errors[0], proc.stderr[-2000:]
+
+
+def _midtrain_config(preset: str):
+    spec = importlib.util.spec_from_file_location("midtrain_config", os.path.join(ROOT, "configs", "midtrain.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(preset)
+
+
+@pytest.mark.parametrize("preset, domain", [("tiny", "code"), ("glm46", "code")])
+def test_midtrain_presets_start_from_weights_and_rank_by_the_domain(preset, domain):
+    cfg = run_config.from_config_dict(_midtrain_config(preset))
+    assert cfg.checkpoint.keep_best and cfg.checkpoint.best_metric == f"eval/{domain}/ce"
+    assert cfg.train.eval_per_domain and [p.name for p in cfg.data.curriculum.phases] == ["midtrain"]
+    assert domain in cfg.data.curriculum.phases[0].mixture
+    # Past GLM's 15T boundary from the first step: MTP weight 0.1, no bias updates.
+    assert cfg.loss.mtp_boundary_tokens == 0 and cfg.balance.boundary_tokens == 0
+    assert cfg.optim.decay_steps == cfg.total_steps
+    pre = run_config.from_config_dict(load_config("tiny" if preset == "tiny" else "glm46"))
+    assert cfg.model == pre.model and cfg.optim.lr < pre.optim.lr
+
+
+def test_a_per_domain_best_metric_needs_per_domain_eval():
+    config = _midtrain_config("tiny")
+    config.train.eval_per_domain = False
+    with pytest.raises(InputError, match=r"best_metric='eval/code/ce' is a per-domain metric"):
+        run_config.from_config_dict(config)
+    config.checkpoint.best_metric = "loss"
+    with pytest.raises(InputError, match="checkpoint.best_metric='loss': must name a held-out metric"):
+        run_config.from_config_dict(config)

@@ -65,7 +65,9 @@ class _Tokenizer:
         return self._decode([token])
 
 
-def _load(args, mesh):
+def load_model(args: argparse.Namespace, mesh: jax.sharding.Mesh):
+    """(cfg, graphdef, params, buffers, tokenizer path) from `--hf-dir` or `--checkpoint` (and `--dtype`,
+    `--tokenizer` if the command has them): score's and eval's shared loading."""
     runtime = {"dtype": args.dtype}
     if args.hf_dir:
         from glm46_jax.hf import load_hf
@@ -76,7 +78,10 @@ def _load(args, mesh):
         cfg, graphdef, params, buffers = load_params(args.checkpoint, mesh, **runtime)
         step_dir = latest_checkpoint(args.checkpoint)
         default_tok = tokenizer_path(step_dir) or os.path.join(step_dir, "tokenizer.json")
-    return cfg, graphdef, params, buffers, args.tokenizer or default_tok
+    return cfg, graphdef, params, buffers, getattr(args, "tokenizer", None) or default_tok
+
+
+_load = load_model  # TEMPORARY alias while generate.py is being written against the old name
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -88,7 +93,7 @@ def main(argv: list[str] | None = None) -> float:
         except ValueError:
             raise InputError(f"--tokens={args.tokens!r}: expected comma-separated integers") from None
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
-    cfg, graphdef, params, buffers, tok_spec = _load(args, mesh)
+    cfg, graphdef, params, buffers, tok_spec = load_model(args, mesh)
     tokenizer = None
     if args.text is not None:
         tokenizer = _Tokenizer(tok_spec)

@@ -19,9 +19,10 @@ from jaxtyping import Array, Int
 from glm46_jax import sharding
 from glm46_jax.config import ModelConfig
 from glm46_jax.model.layers import ExpertBias
-from glm46_jax.model.transformer import GLMMoE, ModelOutput
+from glm46_jax.model.transformer import GenerationCache, GLMMoE, ModelOutput
 
-__all__ = ["GLMMoE", "ModelOutput", "ExpertBias", "init_model", "abstract_model", "apply", "merge"]
+__all__ = ["ExpertBias", "GLMMoE", "GenerationCache", "ModelOutput", "abstract_model", "apply", "apply_cached",
+           "init_model", "merge"]
 
 
 def init_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None,
@@ -79,3 +80,13 @@ def apply(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, tokens:
           *, with_mtp: bool = True) -> ModelOutput:
     """The pure forward pass: logits, final hidden state, MTP logits and router statistics."""
     return merge(graphdef, params, buffers)(tokens, positions, segment_ids, with_mtp=with_mtp)
+
+
+def apply_cached(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, tokens: Int[Array, "b s"],
+                 positions: Int[Array, "b s"], cache: GenerationCache, index: Int[Array, ""] | int,
+                 start: Int[Array, "b"]) -> tuple[Array, GenerationCache]:
+    """The main model over new tokens with a KV cache (generation): (logits [b, s, vocab], updated cache).
+
+    Writes the tokens' keys/values at cache slots [index, index + s); see `GLMMoE.forward_cached`.
+    """
+    return merge(graphdef, params, buffers).forward_cached(tokens, positions, cache, index, start)

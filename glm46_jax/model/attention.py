@@ -5,7 +5,7 @@ from __future__ import annotations
 import einops
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int
 
 from glm46_jax.config import ModelConfig
@@ -20,6 +20,47 @@ def attention_mask(segment_ids: Int[Array, "b s"] | None, seq_len: int) -> Bool[
         return causal
     same_doc = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
     return causal & same_doc
+
+
+# Laid out like the k/v activations (batch over data x expert, kv heads over tensor), one slice per layer.
+CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
+
+
+@struct.dataclass
+class KVCache:
+    """Keys and values of one scanned layer stack, preallocated for `max_len` slots.
+
+    k, v: [layers, batch, max_len, kv_heads, head_dim]. Keys are stored after QK-norm and RoPE, so a
+    slot is written once and read as is by every later step. Updated with dynamic_update_slice: under
+    jit with the cache donated, XLA writes the new slots in place instead of copying the whole cache.
+    """
+    k: Float[Array, "l b t k c"]
+    v: Float[Array, "l b t k c"]
+
+    @classmethod
+    def zeros(cls, num_layers: int, batch: int, max_len: int, cfg: ModelConfig) -> KVCache:
+        shape = (num_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        spec = logical(*CACHE_AXES)
+        return cls(*(jnp.zeros(shape, jnp.dtype(cfg.dtype), out_sharding=spec) for _ in range(2)))
+
+    def write(self, layer, index, k: Float[Array, "b s k c"], v: Float[Array, "b s k c"]) -> KVCache:
+        def put(cache, new):
+            new = jax.sharding.reshard(new.astype(cache.dtype)[None], logical(*CACHE_AXES))
+            return jax.lax.dynamic_update_slice(cache, new, (layer, 0, index, 0, 0))
+        return KVCache(put(self.k, k), put(self.v, v))
+
+    def layer(self, layer) -> tuple[Float[Array, "b t k c"], Float[Array, "b t k c"]]:
+        return (jax.lax.dynamic_index_in_dim(self.k, layer, keepdims=False),
+                jax.lax.dynamic_index_in_dim(self.v, layer, keepdims=False))
+
+
+def cache_mask(start: Int[Array, "b"], index: Int[Array, ""] | int, seq_len: int,
+               max_len: int) -> Bool[Array, "b 1 s t"]:
+    """Query i (at slot index + i) sees slot t iff start[b] <= t <= index + i: causal over the cache,
+    and the left padding before a row's first token (slots < start[b]) is never attended."""
+    q_slot = index + jnp.arange(seq_len)[:, None]
+    t = jnp.arange(max_len)[None, :]
+    return ((t <= q_slot)[None] & (t >= start[:, None, None]))[:, None]
 
 
 class Attention(nnx.Module):
@@ -44,6 +85,22 @@ class Attention(nnx.Module):
     @jax.named_scope("attention")  # op names in profiles and HLO dumps: .../attention/...
     def __call__(self, x: Float[Array, "b s d"], cos: Array, sin: Array,
                  mask: Bool[Array, "b 1 s t"]) -> Float[Array, "b s d"]:
+        q, k, v = self._qkv(x, cos, sin)
+        return self._attend(q, k, v, mask)
+
+    @jax.named_scope("attention")
+    def cached(self, x: Float[Array, "b s d"], cos: Array, sin: Array, mask: Bool[Array, "b 1 s t"],
+               cache: KVCache, layer: Int[Array, ""] | int,
+               index: Int[Array, ""] | int) -> tuple[Float[Array, "b s d"], KVCache]:
+        """Attention for generation: the s new tokens' k/v are written into `cache` at slots
+        [index, index + s) of layer `layer`, then the queries attend over all of that layer's t slots
+        (`mask` says which slots each query may see: causal, and never a padded slot)."""
+        q, k, v = self._qkv(x, cos, sin)
+        cache = cache.write(layer, index, k, v)
+        k_all, v_all = cache.layer(layer)
+        return self._attend(q, k_all, v_all, mask), cache
+
+    def _qkv(self, x, cos, sin):
         cfg, dt = self.cfg, x.dtype
         q = jnp.einsum("bsd,dhc->bshc", x, weight(self.q_proj, dt))
         k = jnp.einsum("bsd,dkc->bskc", x, weight(self.k_proj, dt))
@@ -52,7 +109,10 @@ class Attention(nnx.Module):
             q, k, v = q + weight(self.q_bias, dt), k + weight(self.k_bias, dt), v + weight(self.v_bias, dt)
         if cfg.use_qk_norm:  # after the bias, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        return apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin), v
+
+    def _attend(self, q, k, v, mask):
+        cfg = self.cfg
         scale = cfg.head_dim ** -0.5  # 1/sqrt(head_dim), not 1/sqrt(hidden/heads)
         if cfg.attention_impl == "xla":
             out = _xla_attention(q, k, v, mask, scale)
@@ -60,7 +120,7 @@ class Attention(nnx.Module):
             impl = "cudnn" if cfg.attention_impl == "cudnn" else None
             out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=impl)
         # Heads are tensor-sharded: the contraction is a reduce-scatter/all-reduce into the residual layout.
-        return jnp.einsum("bshc,hcd->bsd", out, weight(self.o_proj, dt),
+        return jnp.einsum("bshc,hcd->bsd", out, weight(self.o_proj, q.dtype),
                           out_sharding=logical("batch", "seq", "act_embed"))
 
 

@@ -10,7 +10,7 @@ from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
 from glm46_jax.config import ModelConfig
-from glm46_jax.model.attention import Attention, attention_mask
+from glm46_jax.model.attention import Attention, KVCache, attention_mask, cache_mask
 from glm46_jax.model.layers import MLP, RMSNorm, param, rope_cos_sin
 from glm46_jax.model.moe import MoE
 from glm46_jax.sharding import logical, weight
@@ -35,6 +35,15 @@ class DecoderLayer(nnx.Module):
             with jax.named_scope("mlp"):
                 y, aux = self.mlp(h), {}
         return x + y, aux
+
+    def cached(self, x, cos, sin, mask, cache: KVCache, layer, index) -> tuple[Array, KVCache]:
+        """The same block for generation: attention reads and writes `cache` (router stats dropped)."""
+        a, cache = self.self_attn.cached(self.input_layernorm(x), cos, sin, mask, cache, layer, index)
+        x = x + a
+        h = self.post_attention_layernorm(x)
+        with jax.named_scope("moe" if isinstance(self.mlp, MoE) else "mlp"):
+            y = self.mlp(h)[0] if isinstance(self.mlp, MoE) else self.mlp(h)
+        return x + y, cache
 
 
 def _stack(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs) -> DecoderLayer:
@@ -64,6 +73,42 @@ def _run_stack(stack: DecoderLayer, x, cos, sin, mask, cfg: ModelConfig):
     if cfg.remat != "none":
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
     return jax.lax.scan(body, x, state)
+
+
+def _run_stack_cached(stack: DecoderLayer, x, cos, sin, mask, cache: KVCache, index) -> tuple[Array, KVCache]:
+    """lax.scan over the stacked layers with the whole stack's cache in the carry.
+
+    The cache rides in the carry (not as scanned xs -> ys) so each layer's update is a
+    dynamic_update_slice into the one buffer: no per-step copy of the stack's cache.
+    """
+    graphdef, state = nnx.split(stack)
+
+    def body(carry, xs):
+        x, cache = carry
+        layer, layer_state = xs
+        x, cache = nnx.merge(graphdef, layer_state).cached(x, cos, sin, mask, cache, layer, index)
+        return (x, cache), None
+
+    n = cache.k.shape[0]
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (jnp.arange(n, dtype=jnp.int32), state))
+    return x, cache
+
+
+@struct.dataclass
+class GenerationCache:
+    """KV caches of the dense and MoE layer stacks (None where the model has no such layers)."""
+    dense: KVCache | None
+    moe: KVCache | None
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, max_len: int) -> GenerationCache:
+        def make(n):
+            return KVCache.zeros(n, batch, max_len, cfg) if n else None
+        return cls(make(cfg.num_dense_layers), make(cfg.num_moe_layers))
+
+    @property
+    def max_len(self) -> int:
+        return (self.dense or self.moe).k.shape[2]
 
 
 class MTPLayer(nnx.Module):
@@ -149,3 +194,30 @@ class GLMMoE(nnx.Module):
                 mtp_logits = jnp.einsum("bsd,dv->bsv", z, head)
             aux = {"mtp": mtp_aux, **aux}
         return ModelOutput(logits=logits, hidden=hidden, mtp_logits=mtp_logits, aux=aux)
+
+    def forward_cached(self, tokens: Int[Array, "b s"], positions: Int[Array, "b s"], cache: GenerationCache,
+                       index: Int[Array, ""] | int, start: Int[Array, "b"]
+                       ) -> tuple[Float[Array, "b s v"], GenerationCache]:
+        """The main model (no MTP) over s new tokens at cache slots [index, index + s).
+
+        `positions` are the RoPE positions (each row's own token index); `start[b]` is row b's first
+        real slot: slots before it are left padding and are masked out of every attention.
+        Prefill is s = prompt length at index 0; a decode step is s = 1.
+        """
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        s = tokens.shape[1]
+        cos, sin = rope_cos_sin(positions, cfg, dt)
+        mask = cache_mask(start, index, s, cache.max_len)
+        act = logical("batch", "seq", "act_embed")
+        x = weight(self.embed_tokens).at[tokens].get(out_sharding=act).astype(dt)
+        dense, moe = cache.dense, cache.moe
+        if self.dense_layers is not None:
+            with jax.named_scope("dense_layers"):
+                x, dense = _run_stack_cached(self.dense_layers, x, cos, sin, mask, dense, index)
+        if self.moe_layers is not None:
+            with jax.named_scope("moe_layers"):
+                x, moe = _run_stack_cached(self.moe_layers, x, cos, sin, mask, moe, index)
+        with jax.named_scope("lm_head"):
+            logits = jnp.einsum("bsd,dv->bsv", self.norm(x), weight(self.lm_head, dt))
+        return logits, GenerationCache(dense, moe)

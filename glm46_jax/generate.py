@@ -1,0 +1,267 @@
+"""Autoregressive generation with a KV cache: a jitted prefill, then a `lax.while_loop` decode.
+
+    python -m glm46_jax.generate --hf-dir DIR --prompt "def f(x):" --max-new-tokens 32
+    python -m glm46_jax.generate --checkpoint runs/tiny --tokens 5,6,7 --temperature 0.8 --top-p 0.9 --seed 1
+
+Prompts of different lengths share one batch, **left-padded**: every row's last prompt token sits in
+the same cache slot, so each decode step writes one slot index for the whole batch (a single
+dynamic_update_slice), while RoPE positions stay per row (a row's own token index) and the pad slots
+before a row's first token are masked out of every attention. Only the main model runs (no MTP layer).
+
+Text prompts need a tokenizer, found as `python -m glm46_jax.score` finds it (`--tokenizer`, else
+`<hf-dir>/tokenizer.json`, else the run's tokenizer). Generation stops per row at a stop token
+(`--stop-token`, default the config's `eos_token_id`) or after `--max-new-tokens`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jaxtyping import Array, Float, Int
+
+from glm46_jax import cli, sharding
+from glm46_jax.cli import InputError
+from glm46_jax.model import GenerationCache, apply_cached
+
+
+@struct.dataclass
+class Generation:
+    """tokens[b, :lengths[b]] are row b's new tokens (a stop token, when one ended the row, included);
+    later slots hold `pad_id` with log-prob 0."""
+    tokens: Int[Array, "b n"]
+    logprobs: Float[Array, "b n"]
+    lengths: Int[Array, "b"]
+
+
+# --- sampling -------------------------------------------------------------------------------
+
+def filter_logits(logits: Float[Array, "b v"], temperature: float = 1.0, top_k: int = 0,
+                  top_p: float = 1.0) -> Float[Array, "b v"]:
+    """The logits of the distribution sampled from: divided by the temperature, then everything outside
+    the top-k and outside the top-p nucleus set to -inf (fp32). top_k=0 / top_p=1 turn those off.
+
+    The nucleus is the smallest set of most likely tokens whose probability mass is >= top_p (after
+    temperature and top-k, as in HF's warper order); the most likely token is always kept.
+    """
+    logits = logits.astype(jnp.float32) / temperature
+    neg = jnp.finfo(jnp.float32).min
+    if top_k and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits >= kth, logits, neg)
+    if top_p < 1.0:
+        desc = -jnp.sort(-logits, axis=-1)
+        probs = jax.nn.softmax(desc, axis=-1)
+        # A token is kept while the mass *before* it is still short of top_p: that is the smallest prefix
+        # reaching top_p. Its last kept logit is the threshold (ties at the threshold are kept too).
+        keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p
+        threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits >= threshold, logits, neg)
+    return logits
+
+
+def sample(key: Array, logits: Float[Array, "b v"], temperature: float = 0.0, top_k: int = 0,
+           top_p: float = 1.0) -> tuple[Int[Array, "b"], Float[Array, "b"]]:
+    """One token per row and its log-probability.
+
+    temperature > 0: a draw from `filter_logits(...)`, and the log-prob is under that same filtered,
+    tempered distribution (the one actually sampled from). temperature == 0 (greedy): the argmax, and
+    the log-prob is under the model's unmodified softmax (the point mass greedy samples from would say 0).
+    """
+    logits = logits.astype(jnp.float32)
+    if temperature == 0.0:
+        tok = jnp.argmax(logits, axis=-1)
+        dist = logits
+    else:
+        dist = filter_logits(logits, temperature, top_k, top_p)
+        tok = jax.random.categorical(key, dist, axis=-1)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(dist, axis=-1), tok[:, None], axis=-1)[:, 0]
+    return tok.astype(jnp.int32), logp
+
+
+# --- prefill and decode -----------------------------------------------------------------------
+
+def _replicated(x):
+    # Sampling state is tiny ([b] / [b, vocab]); one replicated copy keeps sort/top-k/argmax off sharded axes.
+    return jax.sharding.reshard(x, jax.P())
+
+
+def _rows(x):
+    # Model inputs in the activation layout: batch over data x expert, as in training.
+    return jax.sharding.reshard(x, sharding.logical("batch", *([None] * (x.ndim - 1))))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len"))
+def _prefill(graphdef: nnx.GraphDef, params, buffers, tokens: Int[Array, "b p"], start: Int[Array, "b"],
+             max_len: int) -> tuple[Float[Array, "b v"], GenerationCache]:
+    with jax.named_scope("prefill"):
+        b, p = tokens.shape
+        cfg = nnx.merge(graphdef, params, buffers).cfg
+        cache = GenerationCache.zeros(cfg, b, max_len)
+        # RoPE position = slot - start: each row counts from its own first token; pad slots clip to 0.
+        positions = jnp.maximum(jnp.arange(p, dtype=jnp.int32)[None] - start[:, None], 0)
+        logits, cache = apply_cached(graphdef, params, buffers, _rows(tokens), _rows(positions), cache, 0,
+                                     _rows(start))
+        return _replicated(logits[:, -1]), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p"),
+                   donate_argnames=("cache",))
+def _decode(graphdef: nnx.GraphDef, params, buffers, cache: GenerationCache, last_logits: Float[Array, "b v"],
+            start: Int[Array, "b"], key: Array, stop: Int[Array, "n_stop"], pad_id: Int[Array, ""], *,
+            max_new_tokens: int, temperature: float, top_k: int, top_p: float
+            ) -> tuple[Generation, GenerationCache]:
+    # The cache is donated and returned: input, while-loop carry and output share one buffer, so each step's
+    # dynamic_update_slice writes one slot in place and the filled cache stays usable by the caller.
+    with jax.named_scope("decode"):
+        b = last_logits.shape[0]
+        draw = functools.partial(sample, temperature=temperature, top_k=top_k, top_p=top_p)
+
+        def pick(step, logits, done):
+            tok, logp = draw(jax.random.fold_in(key, step), logits)
+            hit = jnp.isin(tok, stop)
+            return jnp.where(done, pad_id, tok), jnp.where(done, 0.0, logp), done | hit
+
+        tok, logp, done = pick(0, last_logits, jnp.zeros((b,), bool))
+        out = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(tok)
+        out_logp = jnp.zeros((b, max_new_tokens), jnp.float32).at[:, 0].set(logp)
+        state = (jnp.int32(1), cache, tok, done, jnp.ones((b,), jnp.int32), out, out_logp)
+        first_slot = _first_slot(cache, max_new_tokens)
+
+        def cond(state):
+            step, _, _, done, *_ = state
+            return (step < max_new_tokens) & ~jnp.all(done)
+
+        def body(state):
+            step, cache, tok, done, lengths, out, out_logp = state
+            slot = first_slot + step - 1  # where the previous token's k/v go
+            positions = (slot - start)[:, None]
+            logits, cache = apply_cached(graphdef, params, buffers, _rows(tok[:, None]), _rows(positions), cache,
+                                         slot, _rows(start))
+            new, logp, now_done = pick(step, _replicated(logits[:, 0]), done)
+            lengths = lengths + (~done).astype(jnp.int32)
+            out = jax.lax.dynamic_update_slice(out, new[:, None], (0, step))
+            out_logp = jax.lax.dynamic_update_slice(out_logp, logp[:, None], (0, step))
+            return step + 1, cache, new, now_done, lengths, out, out_logp
+
+        _, cache, _, _, lengths, out, out_logp = jax.lax.while_loop(cond, body, state)
+        return Generation(tokens=out, logprobs=out_logp, lengths=lengths), cache
+
+
+def _first_slot(cache: GenerationCache, max_new_tokens: int) -> int:
+    # The cache holds the padded prompt (slots [0, P)) and the max_new_tokens - 1 tokens fed back after it;
+    # _generate sizes it so the first fed-back token lands at slot P.
+    return cache.max_len - (max_new_tokens - 1)
+
+
+def generate(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, prompts: Sequence[Sequence[int]], *,
+             max_new_tokens: int, max_len: int | None = None, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, stop_tokens: Sequence[int] = (), seed: int = 0, pad_id: int = 0) -> Generation:
+    """Generate up to `max_new_tokens` after each prompt (a batch of token-id lists of any lengths).
+
+    Runs under whatever mesh is current (`sharding.use_mesh(mesh)`); the batch must divide over the mesh's
+    data x expert axes. `max_len` (default: longest prompt + max_new_tokens) is the cache size the caller
+    allows; a prompt that does not fit together with the new tokens is an InputError. Sampling: greedy when
+    temperature == 0, else temperature / top-k / top-p with a `jax.random.key(seed)`; see `sample` for
+    which distribution the returned log-probs are under. The model's MoE should be dropless
+    (moe_capacity_factor <= 0): with a capacity, rows of one batch (and pad tokens) compete for expert slots.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise InputError("generate: every prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens={max_new_tokens}: must be >= 1")
+    p = max(len(x) for x in prompts)
+    need = p + max_new_tokens - 1  # every prompt token and every new token but the last is fed to the model
+    if max_len is not None and need > max_len:
+        raise InputError(f"the longest prompt ({p} tokens) + --max-new-tokens={max_new_tokens} needs a {need}-slot "
+                         f"KV cache, longer than max_len={max_len} (--max-len; default the model's max_position_embeddings); "
+                         "shorten the prompt or generate fewer tokens")
+    if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
+        raise InputError(f"sampling: temperature={temperature} must be >= 0, top_k={top_k} >= 0, "
+                         f"top_p={top_p} in (0, 1]")
+    start = np.array([p - len(x) for x in prompts], np.int32)
+    tokens = np.full((len(prompts), p), pad_id, np.int32)
+    for row, (x, s) in enumerate(zip(prompts, start)):
+        tokens[row, s:] = x
+    last_logits, cache = _prefill(graphdef, params, buffers, jnp.asarray(tokens), jnp.asarray(start), max_len=need)
+    out, _ = _decode(graphdef, params, buffers, cache, last_logits, jnp.asarray(start), jax.random.key(seed),
+                     jnp.asarray(list(stop_tokens) or [-1], jnp.int32), jnp.int32(pad_id),
+                     max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=int(top_k),
+                     top_p=float(top_p))
+    return out
+
+
+# --- command line ---------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    p = cli.ArgumentParser(prog="python -m glm46_jax.generate", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf-dir", help="Hugging Face GLM-4.5/4.6 directory (config.json + safetensors)")
+    src.add_argument("--checkpoint", help="a training run directory or one of its checkpoints")
+    inp = p.add_mutually_exclusive_group(required=True)
+    inp.add_argument("--prompt", action="append", help="prompt text (repeatable: one batch row each)")
+    inp.add_argument("--tokens", action="append", help="comma-separated prompt token ids (repeatable)")
+    p.add_argument("--tokenizer", help="a tokenizer.json path (default: as python -m glm46_jax.score)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-len", type=int, help="KV cache limit (default: the model's max_position_embeddings)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-token", type=int, action="append", help="stop token id (repeatable; default: eos_token_id)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[list[int]]:
+    """Prints each prompt's completion; returns the new token ids per prompt."""
+    from glm46_jax.score import _load, _Tokenizer  # the same loading (and tokenizer lookup) as scoring
+
+    args = _parser().parse_args(argv)
+    prompts = None
+    if args.tokens is not None:  # checked before the (slow) load
+        try:
+            prompts = [[int(t) for t in row.split(",") if t.strip()] for row in args.tokens]
+        except ValueError:
+            raise InputError(f"--tokens={args.tokens!r}: expected comma-separated integers") from None
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens={args.max_new_tokens}: must be >= 1")
+    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+    cfg, graphdef, params, buffers, tok_spec = _load(args, mesh)
+    if cfg.moe_capacity_factor > 0:  # generation needs rows that cannot crowd each other out of experts
+        from glm46_jax.model import abstract_model
+        cfg = cfg.replace(moe_capacity_factor=0.0)
+        graphdef, _, _ = abstract_model(cfg, mesh)
+    tokenizer = None
+    if args.prompt is not None:
+        tokenizer = _Tokenizer(tok_spec)
+        prompts = [tokenizer.encode(text) for text in args.prompt]
+    for i, row in enumerate(prompts):
+        bad = [t for t in row if not 0 <= t < cfg.vocab_size]
+        if bad or not row:
+            raise InputError(f"prompt {i}: need >= 1 token id in [0, {cfg.vocab_size}); got {len(row)} ids, "
+                             f"out of range: {bad[:5]}")
+    max_len = args.max_len or cfg.max_position_embeddings
+    stop = args.stop_token if args.stop_token is not None else list(cfg.eos_token_id or ())
+    with sharding.use_mesh(mesh):
+        out = generate(graphdef, params, buffers, prompts, max_new_tokens=args.max_new_tokens, max_len=max_len,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_tokens=stop,
+                       seed=args.seed, pad_id=cfg.pad_token_id or 0)
+        tokens, logprobs, lengths = (np.asarray(a) for a in (out.tokens, out.logprobs, out.lengths))
+    completions = []
+    for i, n in enumerate(lengths):
+        new = [int(t) for t in tokens[i, :n]]
+        completions.append(new)
+        text = repr(tokenizer._decode(new)) if tokenizer else ""
+        print(f"[{i}] {len(new)} tokens, log-prob {logprobs[i, :n].sum():.4f}: {new} {text}".rstrip())
+    return completions
+
+
+if __name__ == "__main__":
+    cli.main_guard(main)

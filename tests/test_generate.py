@@ -1,0 +1,194 @@
+"""Generation with a KV cache against independent references: the full no-cache forward at every step, a
+naive re-run-everything greedy loop, each prompt alone vs in a padded batch, a 1-device vs 8-device mesh,
+hand-computed sampling filters, and the CLI's one-line user errors."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import FIXTURES
+from glm46_jax import generate as gen
+from glm46_jax import sharding
+from glm46_jax.cli import InputError
+from glm46_jax.config import TINY
+from glm46_jax.hf import load_hf
+from glm46_jax.model import abstract_model, apply, apply_cached, init_model
+
+CFG = dataclasses.replace(TINY, vocab_size=128, dtype="float32")
+PROMPTS = [[5, 9, 17, 3, 44, 2], [7, 8], [100, 1, 2, 60], [33]]  # lengths 6, 2, 4, 1: left padding 0..5
+
+
+def _randomize(params, seed=0, scale=0.3):
+    # Larger-than-init weights: logits far from uniform, so greedy choices have no near-ties.
+    keys = iter(jax.random.split(jax.random.key(seed), 200))
+    return jax.tree.map(lambda p: p + scale * jax.random.normal(next(keys), p.shape, p.dtype), params)
+
+
+@pytest.fixture(scope="module")
+def tiny(mesh1):
+    graphdef, params, buffers = init_model(CFG, mesh1, seed=7)
+    return graphdef, _randomize(params), buffers
+
+
+@pytest.fixture(scope="module")
+def hf_model(mesh1):
+    _, graphdef, params, buffers = load_hf(os.path.join(FIXTURES, "hf_full"), mesh1, warn_missing_mtp=False)
+    return graphdef, params, buffers
+
+
+def _full_logits(model, mesh, seq):
+    """Reference: the training forward (no cache, no padding) over one row; logits of its last token."""
+    graphdef, params, buffers = model
+    with sharding.use_mesh(mesh):
+        fn = jax.jit(lambda p, b, t: apply(graphdef, p, b, t, with_mtp=False).logits)
+        return np.asarray(fn(params, buffers, jnp.asarray([seq], jnp.int32)))[0, -1]
+
+
+@pytest.mark.parametrize("which", ["tiny", "hf_full"])
+def test_cached_logits_equal_full_forward_every_step(which, request, mesh1):
+    model = request.getfixturevalue("tiny" if which == "tiny" else "hf_model")
+    graphdef, params, buffers = model
+    p, steps = max(map(len, PROMPTS)), 4
+    start = np.array([p - len(x) for x in PROMPTS], np.int32)
+    tokens = np.zeros((len(PROMPTS), p), np.int32)
+    for row, x in enumerate(PROMPTS):
+        tokens[row, start[row]:] = x
+    seqs = [list(x) for x in PROMPTS]
+    with sharding.use_mesh(mesh1):
+        logits, cache = gen._prefill(graphdef, params, buffers, jnp.asarray(tokens), jnp.asarray(start),
+                                     max_len=p + steps)
+        step = jax.jit(lambda pr, bu, t, pos, c, i, s: apply_cached(graphdef, pr, bu, t, pos, c, i, s))
+        for i in range(steps + 1):
+            logits = np.asarray(logits)
+            for row, seq in enumerate(seqs):
+                np.testing.assert_allclose(logits[row], _full_logits(model, mesh1, seq), atol=1e-5, rtol=0,
+                                           err_msg=f"row {row} step {i}")
+            if i == steps:
+                break
+            nxt = logits.argmax(-1).astype(np.int32)
+            for row, seq in enumerate(seqs):
+                seq.append(int(nxt[row]))
+            slot = p + i
+            out, cache = step(params, buffers, jnp.asarray(nxt[:, None]), jnp.asarray((slot - start)[:, None]),
+                              cache, slot, jnp.asarray(start))
+            logits = out[:, 0]
+
+
+def _naive_greedy(model, mesh, prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(_full_logits(model, mesh, seq).argmax()))
+    return seq[len(prompt):]
+
+
+def _gen(model, mesh, prompts, **kw):
+    graphdef, params, buffers = model
+    with sharding.use_mesh(mesh):
+        out = gen.generate(graphdef, params, buffers, prompts, **kw)
+    return [list(np.asarray(out.tokens)[i, :n]) for i, n in enumerate(np.asarray(out.lengths))], out
+
+
+def test_greedy_equals_naive_loop_and_batch_equals_alone(hf_model, mesh1):
+    n = 5
+    batch, out = _gen(hf_model, mesh1, PROMPTS, max_new_tokens=n)
+    assert out.tokens.shape == (len(PROMPTS), n)
+    for row, prompt in enumerate(PROMPTS):
+        assert batch[row] == _naive_greedy(hf_model, mesh1, prompt, n), f"row {row}"
+        alone, _ = _gen(hf_model, mesh1, [prompt], max_new_tokens=n)
+        assert alone[0] == batch[row], f"row {row}"
+    # Greedy log-probs are the model's own: log_softmax of the full forward's logits.
+    seq = PROMPTS[1] + batch[1][:2]
+    ref = jax.nn.log_softmax(_full_logits(hf_model, mesh1, seq))[batch[1][2]]
+    np.testing.assert_allclose(np.asarray(out.logprobs)[1, 2], ref, atol=1e-5)
+
+
+def test_sharded_mesh_gives_same_tokens(tiny, mesh1):
+    mesh8 = sharding.make_mesh({"data": 2, "tensor": 2, "expert": 2})
+    graphdef, params, buffers = tiny
+    _, abs_params, abs_buffers = abstract_model(CFG, mesh8)
+    place = lambda a, s: jax.device_put(np.asarray(a), s.sharding)
+    model8 = (graphdef, jax.tree.map(place, params, abs_params), jax.tree.map(place, buffers, abs_buffers))
+    kw = {"max_new_tokens": 4, "temperature": 0.7, "top_k": 20, "seed": 3}
+    one, out1 = _gen(tiny, mesh1, PROMPTS, **kw)
+    eight, out8 = _gen(model8, mesh8, PROMPTS, **kw)
+    assert one == eight
+    np.testing.assert_allclose(np.asarray(out1.logprobs), np.asarray(out8.logprobs), atol=1e-5)
+    greedy1, _ = _gen(tiny, mesh1, PROMPTS, max_new_tokens=4)
+    greedy8, _ = _gen(model8, mesh8, PROMPTS, max_new_tokens=4)
+    assert greedy1 == greedy8
+    assert greedy1 == [_naive_greedy(tiny, mesh1, p, 4) for p in PROMPTS]
+
+
+def test_sampling_seeded_topk1_is_greedy(hf_model, mesh1):
+    kw = {"max_new_tokens": 6, "temperature": 1.5}
+    a, out_a = _gen(hf_model, mesh1, PROMPTS, seed=1, **kw)
+    b, _ = _gen(hf_model, mesh1, PROMPTS, seed=1, **kw)
+    c, _ = _gen(hf_model, mesh1, PROMPTS, seed=2, **kw)
+    assert a == b and a != c
+    greedy, _ = _gen(hf_model, mesh1, PROMPTS, max_new_tokens=6)
+    top1, out1 = _gen(hf_model, mesh1, PROMPTS, max_new_tokens=6, temperature=1.5, top_k=1, seed=5)
+    assert top1 == greedy
+    # Under the sampled (top-1) distribution every chosen token has probability 1.
+    np.testing.assert_allclose(np.asarray(out1.logprobs), 0.0, atol=1e-6)
+    assert np.all(np.asarray(out_a.logprobs) < 0)
+
+
+def test_filter_logits_by_hand():
+    probs = np.array([0.05, 0.5, 0.15, 0.3], np.float32)  # sorted: 0.5, 0.3, 0.15, 0.05
+    logits = jnp.asarray(np.log(probs)[None])
+    kept = lambda **kw: set(np.flatnonzero(np.asarray(gen.filter_logits(logits, **kw))[0] > -1e30))
+    assert kept(top_p=0.45) == {1}  # 0.5 alone reaches 0.45
+    assert kept(top_p=0.75) == {1, 3}  # 0.5 + 0.3 = 0.8 >= 0.75; 0.5 alone does not
+    assert kept(top_p=0.9) == {1, 3, 2}  # 0.95 >= 0.9
+    assert kept(top_p=0.99) == {0, 1, 2, 3}
+    assert kept(top_k=2) == {1, 3}
+    assert kept(top_k=3, top_p=0.9) == {1, 3, 2}
+    # Temperature divides the logits; the sampled distribution renormalises over the kept set.
+    scaled = np.asarray(gen.filter_logits(logits, temperature=2.0))[0]
+    np.testing.assert_allclose(scaled, np.log(probs) / 2, rtol=1e-6)
+    tok, logp = gen.sample(jax.random.key(0), logits, temperature=1.0, top_p=0.75)
+    assert int(tok[0]) in (1, 3)
+    np.testing.assert_allclose(float(logp[0]), np.log(probs[int(tok[0])] / 0.8), rtol=1e-5)
+
+
+def test_stop_tokens_and_max_new_tokens(hf_model, mesh1):
+    greedy, _ = _gen(hf_model, mesh1, PROMPTS, max_new_tokens=6)
+    stop = greedy[0][2]  # row 0's third token: row 0 stops there (or earlier, if it came sooner)
+    rows, out = _gen(hf_model, mesh1, PROMPTS, max_new_tokens=6, stop_tokens=[stop], pad_id=0)
+    for row, full in enumerate(greedy):
+        n = full.index(stop) + 1 if stop in full else 6
+        assert rows[row] == full[:n], f"row {row}"
+        assert np.all(np.asarray(out.tokens)[row, n:] == 0)
+        assert np.all(np.asarray(out.logprobs)[row, n:] == 0)
+    assert len(rows[0]) <= 3
+    short, out = _gen(hf_model, mesh1, PROMPTS, max_new_tokens=2)
+    assert out.tokens.shape == (len(PROMPTS), 2) and all(r == g[:2] for r, g in zip(short, greedy))
+    one, _ = _gen(hf_model, mesh1, PROMPTS, max_new_tokens=1)
+    assert one == [g[:1] for g in greedy]
+
+
+def test_prompt_longer_than_cache_is_input_error(hf_model, mesh1):
+    with pytest.raises(InputError, match="KV cache"):
+        _gen(hf_model, mesh1, [list(range(10))], max_new_tokens=4, max_len=12)
+    with pytest.raises(InputError, match="max_len=3"):
+        gen.main(["--hf-dir", os.path.join(FIXTURES, "hf_full"), "--tokens", "1,2,3,4", "--max-len", "3"])
+
+
+def test_cli_generates_and_bad_input_is_one_line(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    d = os.path.join(FIXTURES, "hf_full")
+    ok = subprocess.run([sys.executable, "-m", "glm46_jax.generate", "--hf-dir", d, "--tokens", "5,9,17",
+                         "--tokens", "7", "--max-new-tokens", "3"], capture_output=True, text=True, env=env, check=False)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.count("tokens, log-prob") == 2
+    bad = subprocess.run([sys.executable, "-m", "glm46_jax.generate", "--hf-dir", str(tmp_path / "missing"),
+                          "--prompt", "hello"], capture_output=True, text=True, env=env, check=False)
+    assert bad.returncode == 2
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in bad.stderr

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -155,7 +156,7 @@ def _decode(graphdef: nnx.GraphDef, params, buffers, cache: GenerationCache, las
 
 def _first_slot(cache: GenerationCache, max_new_tokens: int) -> int:
     # The cache holds the padded prompt (slots [0, P)) and the max_new_tokens - 1 tokens fed back after it;
-    # _generate sizes it so the first fed-back token lands at slot P.
+    # generate() sizes it so the first fed-back token lands at slot P.
     return cache.max_len - (max_new_tokens - 1)
 
 
@@ -164,11 +165,15 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, prom
              top_p: float = 1.0, stop_tokens: Sequence[int] = (), seed: int = 0, pad_id: int = 0) -> Generation:
     """Generate up to `max_new_tokens` after each prompt (a batch of token-id lists of any lengths).
 
-    Runs under whatever mesh is current (`sharding.use_mesh(mesh)`); the batch must divide over the mesh's
-    data x expert axes. `max_len` (default: longest prompt + max_new_tokens) is the cache size the caller
-    allows; a prompt that does not fit together with the new tokens is an InputError. Sampling: greedy when
-    temperature == 0, else temperature / top-k / top-p with a `jax.random.key(seed)`; see `sample` for
-    which distribution the returned log-probs are under. The model's MoE should be dropless
+    Runs under whatever mesh is current (`sharding.use_mesh(mesh)`), the batch split over its data x expert
+    axes (padded with dummy rows to a multiple of their size). The KV cache gets exactly the slots needed
+    (longest prompt + max_new_tokens - 1); `max_len` is the most the caller allows (e.g. the model's
+    max_position_embeddings): a prompt that does not fit together with the new tokens is an InputError.
+
+    Sampling: greedy when temperature == 0, else temperature / top-k / top-p with `jax.random.key(seed)`
+    (one key per step, folded in from the seed); see `sample` for which distribution the returned log-probs
+    are under. A row is done after a stop token (kept in its output) or max_new_tokens; the decode loop
+    ends when every row is done. The model's MoE should be dropless
     (moe_capacity_factor <= 0): with a capacity, rows of one batch (and pad tokens) compete for expert slots.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -179,11 +184,18 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, prom
     need = p + max_new_tokens - 1  # every prompt token and every new token but the last is fed to the model
     if max_len is not None and need > max_len:
         raise InputError(f"the longest prompt ({p} tokens) + --max-new-tokens={max_new_tokens} needs a {need}-slot "
-                         f"KV cache, longer than max_len={max_len} (--max-len; default the model's max_position_embeddings); "
+                         f"KV cache, longer than max_len={max_len} (--max-len; default the model's "
+                         "max_position_embeddings); "
                          "shorten the prompt or generate fewer tokens")
     if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
         raise InputError(f"sampling: temperature={temperature} must be >= 0, top_k={top_k} >= 0, "
                          f"top_p={top_p} in (0, 1]")
+    # The batch is split over the mesh's data x expert axes: fill it up to a multiple with 1-token dummy rows
+    # (rows never interact, so they change nothing) and drop their results at the end.
+    n = len(prompts)
+    mesh = jax.sharding.get_abstract_mesh()
+    shards = 1 if mesh.empty else math.prod(mesh.shape[a] for a in sharding.mesh_axes("batch") if a in mesh.shape)
+    prompts = list(prompts) + [[pad_id]] * (-n % shards)
     start = np.array([p - len(x) for x in prompts], np.int32)
     tokens = np.full((len(prompts), p), pad_id, np.int32)
     for row, (x, s) in enumerate(zip(prompts, start)):
@@ -193,7 +205,7 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, prom
                      jnp.asarray(list(stop_tokens) or [-1], jnp.int32), jnp.int32(pad_id),
                      max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=int(top_k),
                      top_p=float(top_p))
-    return out
+    return jax.tree.map(lambda x: x[:n], out) if len(prompts) > n else out
 
 
 # --- command line ---------------------------------------------------------------------------
@@ -221,7 +233,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> list[list[int]]:
     """Prints each prompt's completion; returns the new token ids per prompt."""
-    from glm46_jax.score import _load, _Tokenizer  # the same loading (and tokenizer lookup) as scoring
+    from glm46_jax.score import _Tokenizer, load_model  # the same loading (and tokenizer lookup) as scoring
 
     args = _parser().parse_args(argv)
     prompts = None
@@ -233,7 +245,7 @@ def main(argv: list[str] | None = None) -> list[list[int]]:
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens={args.max_new_tokens}: must be >= 1")
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
-    cfg, graphdef, params, buffers, tok_spec = _load(args, mesh)
+    cfg, graphdef, params, buffers, tok_spec = load_model(args, mesh)
     if cfg.moe_capacity_factor > 0:  # generation needs rows that cannot crowd each other out of experts
         from glm46_jax.model import abstract_model
         cfg = cfg.replace(moe_capacity_factor=0.0)

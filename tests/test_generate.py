@@ -122,6 +122,8 @@ def test_sharded_mesh_gives_same_tokens(tiny, mesh1):
     greedy1, _ = _gen(tiny, mesh1, PROMPTS, max_new_tokens=4)
     greedy8, _ = _gen(model8, mesh8, PROMPTS, max_new_tokens=4)
     assert greedy1 == greedy8
+    odd8, _ = _gen(model8, mesh8, PROMPTS[:3], max_new_tokens=4)  # 3 rows over 4 batch shards: padded
+    assert odd8 == greedy1[:3]
     assert greedy1 == [_naive_greedy(tiny, mesh1, p, 4) for p in PROMPTS]
 
 
@@ -184,7 +186,8 @@ def test_cli_generates_and_bad_input_is_one_line(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     d = os.path.join(FIXTURES, "hf_full")
     ok = subprocess.run([sys.executable, "-m", "glm46_jax.generate", "--hf-dir", d, "--tokens", "5,9,17",
-                         "--tokens", "7", "--max-new-tokens", "3"], capture_output=True, text=True, env=env, check=False)
+                         "--tokens", "7", "--max-new-tokens", "3"],
+                        capture_output=True, text=True, env=env, check=False)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.count("tokens, log-prob") == 2
     bad = subprocess.run([sys.executable, "-m", "glm46_jax.generate", "--hf-dir", str(tmp_path / "missing"),
@@ -192,3 +195,18 @@ def test_cli_generates_and_bad_input_is_one_line(tmp_path):
     assert bad.returncode == 2
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--hf-dir", "{missing}", "--tokens", "1,2"], "missing"),
+    (["--hf-dir", "{hf}", "--prompt", "hello"], "tokenizer.json"),  # no tokenizer for a text prompt
+    (["--hf-dir", "{hf}", "--tokens", "1,x"], "comma-separated"),
+    (["--hf-dir", "{hf}", "--tokens", "1,999"], "out of range"),
+    (["--hf-dir", "{hf}", "--tokens", "1,2", "--top-p", "0"], "top_p"),
+    (["--hf-dir", "{hf}", "--tokens", "1,2", "--bogus"], "bogus"),
+], ids=["missing-dir", "no-tokenizer", "bad-tokens", "out-of-vocab", "bad-top-p", "bad-flag"])
+def test_user_errors_are_user_errors(args, message, tmp_path):
+    from glm46_jax.cli import user_errors
+    paths = {"missing": str(tmp_path / "missing"), "hf": os.path.join(FIXTURES, "hf_full")}
+    with pytest.raises(user_errors(), match=message):
+        gen.main([a.format(**paths) for a in args])

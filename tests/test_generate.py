@@ -124,6 +124,11 @@ def test_sharded_mesh_gives_same_tokens(tiny, mesh1):
     assert greedy1 == greedy8
     odd8, _ = _gen(model8, mesh8, PROMPTS[:3], max_new_tokens=4)  # 3 rows over 4 batch shards: padded
     assert odd8 == greedy1[:3]
+    # The cache is laid out like k/v: batch over data x expert, kv heads over tensor.
+    with sharding.use_mesh(mesh8):
+        _, cache = gen._prefill(*model8, jnp.ones((4, 3), jnp.int32), jnp.zeros(4, jnp.int32), max_len=5)
+    for kv in (cache.dense.k, cache.moe.v):
+        assert kv.sharding.spec == jax.P(None, ("data", "expert"), None, "tensor", None)
     assert greedy1 == [_naive_greedy(tiny, mesh1, p, 4) for p in PROMPTS]
 
 

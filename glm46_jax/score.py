@@ -81,9 +81,6 @@ def load_model(args: argparse.Namespace, mesh: jax.sharding.Mesh):
     return cfg, graphdef, params, buffers, getattr(args, "tokenizer", None) or default_tok
 
 
-_load = load_model  # TEMPORARY alias while generate.py is being written against the old name
-
-
 def main(argv: list[str] | None = None) -> float:
     """Prints the table; returns the total log-likelihood."""
     args = _parser().parse_args(argv)

@@ -33,7 +33,7 @@ from glm46_jax.cli import InputError
 from glm46_jax.data import loader
 from glm46_jax.loss import token_nll
 from glm46_jax.model import apply
-from glm46_jax.score import load_model
+from glm46_jax.score import add_model_args, load_model
 
 Batch = dict[str, np.ndarray]
 
@@ -41,14 +41,11 @@ Batch = dict[str, np.ndarray]
 def _parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m glm46_jax.eval", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hf-dir", help="Hugging Face GLM-4.5/4.6 directory (config.json + safetensors)")
-    src.add_argument("--checkpoint", help="a training run directory or one of its checkpoints")
+    add_model_args(p)
     p.add_argument("--corpus", required=True, help="a corpus written by data_prep (metadata.json + heldout shards)")
     p.add_argument("--domains", help="comma-separated domains (default: every domain with held-out data)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per row (default 256)")
     p.add_argument("--batch", type=int, default=8, help="rows per forward pass (default 8)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
     p.add_argument("--out", help="also write the results as JSON here")
     return p
 

@@ -30,6 +30,9 @@ from glm46_jax import cli, sharding
 from glm46_jax.cli import InputError
 from glm46_jax.model import GenerationCache, apply_cached
 
+# The same loading, tokenizer lookup and model flags as scoring.
+from glm46_jax.score import _Tokenizer, add_model_args, load_model
+
 
 @struct.dataclass
 class Generation:
@@ -213,9 +216,7 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, prom
 def _parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m glm46_jax.generate", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hf-dir", help="Hugging Face GLM-4.5/4.6 directory (config.json + safetensors)")
-    src.add_argument("--checkpoint", help="a training run directory or one of its checkpoints")
+    add_model_args(p)
     inp = p.add_mutually_exclusive_group(required=True)
     inp.add_argument("--prompt", action="append", help="prompt text (repeatable: one batch row each)")
     inp.add_argument("--tokens", action="append", help="comma-separated prompt token ids (repeatable)")
@@ -227,13 +228,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop-token", type=int, action="append", help="stop token id (repeatable; default: eos_token_id)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
     return p
 
 
 def main(argv: list[str] | None = None) -> list[list[int]]:
     """Prints each prompt's completion; returns the new token ids per prompt."""
-    from glm46_jax.score import _Tokenizer, load_model  # the same loading (and tokenizer lookup) as scoring
 
     args = _parser().parse_args(argv)
     prompts = None

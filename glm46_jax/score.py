@@ -25,18 +25,23 @@ from glm46_jax.loss import token_nll
 from glm46_jax.model import apply
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = cli.ArgumentParser(prog="python -m glm46_jax.score", description=__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--hf-dir | --checkpoint (one of them) and --dtype: what `load_model` reads (score, eval, generate)."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf-dir", help="Hugging Face GLM-4.5/4.6 directory (config.json + safetensors)")
     src.add_argument("--checkpoint", help="a training run directory or one of its checkpoints")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = cli.ArgumentParser(prog="python -m glm46_jax.score", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
     inp = p.add_mutually_exclusive_group(required=True)
     inp.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3")
     inp.add_argument("--text", help="text to tokenize and score")
     p.add_argument("--tokenizer", help="a tokenizer.json path (default: see above)")
     p.add_argument("--out", help="save the logits [tokens, vocab] (float32) to this .npy file")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
     return p
 
 

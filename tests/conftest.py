@@ -35,3 +35,20 @@ def sample_corpus(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("sample_corpus"))
     assert cli.main(["sample", "--out", out, "--max-docs-per-domain", "300"]) == 0
     return out
+
+
+def float64_nll(graphdef, params, buffers, mesh, batch):
+    """Next-token NLL per position of a packed batch (NumPy arrays: inputs, positions, segment_ids, targets)
+    in float64: the model's logits log-softmaxed in NumPy, the tests' reference for the CEs the code reports."""
+    import numpy as np
+
+    from glm46_jax.model import apply
+
+    with sharding.use_mesh(mesh):
+        logits = apply(graphdef, params, buffers, jax.numpy.asarray(batch["inputs"]),
+                       jax.numpy.asarray(batch["positions"]), jax.numpy.asarray(batch["segment_ids"]),
+                       with_mtp=False).logits
+    logits = np.asarray(logits, np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    return -np.take_along_axis(logp, np.asarray(batch["targets"])[..., None], -1)[..., 0]

@@ -9,12 +9,13 @@ import os
 import jax
 import numpy as np
 import pytest
+from conftest import float64_nll
 
 from glm46_jax import checkpoint, sharding
 from glm46_jax import eval as eval_cli
 from glm46_jax.cli import InputError
 from glm46_jax.config import TINY
-from glm46_jax.model import apply, init_model
+from glm46_jax.model import init_model
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +51,7 @@ def test_every_heldout_target_once_and_ce_in_float64(tiny_checkpoint, sample_cor
     _, graphdef, params, buffers = checkpoint.load_params(tiny_checkpoint, mesh)
     nll_sum, count = 0.0, 0.0
     for batch in eval_cli.heldout_batches(sample_corpus, "prose", 64, 4):
-        with sharding.use_mesh(mesh):
-            logits = apply(graphdef, params, buffers, jax.numpy.asarray(batch["inputs"]),
-                           jax.numpy.asarray(batch["positions"]), jax.numpy.asarray(batch["segment_ids"]),
-                           with_mtp=False).logits
-        logits = np.asarray(logits, np.float64)
-        logp = logits - logits.max(-1, keepdims=True)
-        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-        nll = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+        nll = float64_nll(graphdef, params, buffers, mesh, batch)
         nll_sum += (nll * batch["loss_mask"]).sum()
         count += batch["loss_mask"].sum()
     assert by_domain["prose"]["ce"] == pytest.approx(nll_sum / count, abs=1e-5)

@@ -10,6 +10,7 @@ import chex
 import jax
 import numpy as np
 import pytest
+from conftest import float64_nll
 
 from glm46_jax import checkpoint, sharding
 from glm46_jax.optim import OptimConfig, lr_schedule
@@ -231,7 +232,6 @@ def test_eval_per_domain_matches_a_float64_recomputation(tmp_path, sample_corpus
     eval/ce. Checked against the final weights' logits, log-softmaxed in float64 over the same held-out
     batch of that domain (built here from the loader with the run's seed), masked by its loss mask."""
     from glm46_jax.data import loader
-    from glm46_jax.model import apply
 
     config = _one_phase_config(str(tmp_path), sample_corpus, steps=2)
     config.train.update(eval_every=0, eval_per_domain=True)
@@ -246,13 +246,6 @@ def test_eval_per_domain_matches_a_float64_recomputation(tmp_path, sample_corpus
                                   read_threads=config.data.read_threads)
     for domain in ("code", "prose"):
         rows = next(iter(loader.training_batches(heldout, {domain: 1.0}, 64, 8, "concat")))
-        with sharding.use_mesh(mesh):
-            logits = apply(graphdef, params, buffers, jax.numpy.asarray(rows["inputs"]),
-                           jax.numpy.asarray(rows["positions"]), jax.numpy.asarray(rows["segment_ids"]),
-                           with_mtp=False).logits
-        logits = np.asarray(logits, np.float64)
-        logp = logits - logits.max(-1, keepdims=True)
-        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-        nll = -np.take_along_axis(logp, rows["targets"][..., None], -1)[..., 0]
+        nll = float64_nll(graphdef, params, buffers, mesh, rows)
         mask = rows["loss_mask"].astype(np.float64)
         assert summary[f"eval/{domain}/ce"] == pytest.approx((nll * mask).sum() / mask.sum(), abs=2e-5), domain

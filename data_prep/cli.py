@@ -101,7 +101,7 @@ def _add_sample(p: Parser) -> None:
 
 def build_parser() -> Parser:
     parser = cli.ArgumentParser(prog="python -m data_prep", description=__doc__,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, about: str, *groups: Callable[[Parser], None], docset: bool = False,

@@ -256,7 +256,7 @@ def latest_checkpoint(path: str | os.PathLike) -> str:
     steps = [s for s in steps if os.path.isfile(os.path.join(path, str(s), "meta", "metadata"))]
     if not steps:
         raise FileNotFoundError(f"{path}: not a checkpoint: no complete <step>/ directory (with meta/ and model/) "
-                         "found. Pass a run dir, its checkpoints/ dir or one step dir.")
+                                "found. Pass a run dir, its checkpoints/ dir or one step dir.")
     return os.path.join(path, str(max(steps)))
 
 

@@ -45,7 +45,7 @@ MTP_SEED = 0
 
 def _parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m glm46_jax.convert", description=__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("ckpt-to-hf", help="training checkpoint -> Hugging Face directory")
     e.add_argument("--run-dir", required=True, help="a training run dir (or its checkpoints/ dir, or one step dir)")

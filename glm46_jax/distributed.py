@@ -26,7 +26,6 @@ import dataclasses
 import os
 import re
 from collections.abc import Mapping
-from typing import Any
 
 import jax
 from absl import logging
@@ -113,14 +112,6 @@ def slurm_cluster(env: Mapping[str, str]) -> Cluster | None:
 
 # --- resolution and start-up ------------------------------------------------------------------
 
-def _device_ids(value: Any) -> tuple[int, ...] | None:
-    if value in (None, "", ()):
-        return None
-    if isinstance(value, str):
-        return tuple(int(v) for v in value.split(",") if v.strip())
-    return tuple(int(v) for v in value)
-
-
 def resolve(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> Cluster | None:
     """The cluster from `config.distributed` (explicit wins) or the Slurm environment; None = one process.
     The config has checked that explicit settings come all together (`DistributedConfig`)."""
@@ -128,11 +119,10 @@ def resolve(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> Clu
     if cfg.explicit:
         if cfg.num_processes == 1:
             return None
-        return Cluster(cfg.coordinator, cfg.num_processes, cfg.process_id, _device_ids(cfg.local_device_ids),
-                       "explicit")
+        return Cluster(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.device_ids, "explicit")
     cluster = slurm_cluster(env)
-    if cluster is not None and cfg.local_device_ids:
-        cluster = dataclasses.replace(cluster, local_device_ids=_device_ids(cfg.local_device_ids))
+    if cluster is not None and cfg.device_ids is not None:
+        cluster = dataclasses.replace(cluster, local_device_ids=cfg.device_ids)
     return cluster
 
 

@@ -57,16 +57,12 @@ def heldout_batches(root: str, domain: str, seq_len: int, rows: int) -> Iterator
     pad_id = int(loader.read_metadata(root)["tokenizer"]["pad_id"])
     packed = loader.pack_documents(loader.domain_documents(cfg, domain), seq_len + 1, "best_fit", pad_id,
                                    cfg.pack_bins, cfg.seed)
-    part: list[Batch] = []
-    for row in packed:
-        part.append(loader.shift_row(row, pad_id))
-        if len(part) == rows:
-            yield {k: np.stack([r[k] for r in part]) for k in part[0]}
-            part = []
-    if part:
-        empty = {k: np.full_like(v, pad_id if k in ("inputs", "targets") else 0) for k, v in part[0].items()}
-        part += [empty] * (rows - len(part))
-        yield {k: np.stack([r[k] for r in part]) for k in part[0]}
+    for batch in packed.map(functools.partial(loader.shift_row, pad_id=pad_id)).batch(rows, drop_remainder=False):
+        short = rows - len(batch["inputs"])
+        if short:  # pad rows: pad tokens, segment 0, no loss
+            batch = {k: np.pad(v, ((0, short), (0, 0)), constant_values=pad_id if k in ("inputs", "targets") else 0)
+                     for k, v in batch.items()}
+        yield batch
 
 
 def _nll_sums(graphdef, params, buffers, batch: dict[str, Array]) -> tuple[Float[Array, ""], Float[Array, ""]]:

@@ -133,6 +133,9 @@ class DistributedConfig:
         if any(given.values()) and not all(given.values()):
             raise InputError(f"distributed: {[k for k, v in given.items() if not v]} must be set together with "
                              f"{[k for k, v in given.items() if v]} (or none of them, for Slurm auto-detection)")
+        ids = [v.strip() for v in self.local_device_ids.split(",") if v.strip()]
+        check_field("distributed", "local_device_ids", self.local_device_ids, all(v.isdigit() for v in ids),
+                    "expected comma-separated device numbers, e.g. 0,1", "set --config.distributed.local_device_ids")
         if all(given.values()):
             check_field("distributed", "process_id", self.process_id, self.process_id < self.num_processes,
                         f"must be in [0, num_processes={self.num_processes})", "set --config.distributed.process_id")
@@ -140,6 +143,11 @@ class DistributedConfig:
     @property
     def explicit(self) -> bool:
         return self.num_processes > 0
+
+    @property
+    def device_ids(self) -> tuple[int, ...] | None:
+        """`local_device_ids` as numbers; None = every device this host sees."""
+        return tuple(int(v) for v in self.local_device_ids.split(",") if v.strip()) or None
 
 
 @dataclasses.dataclass(frozen=True)

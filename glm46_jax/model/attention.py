@@ -10,6 +10,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from glm46_jax.config import ModelConfig
 from glm46_jax.model.adapters import adapted
+from glm46_jax.model.blockwise_attention import blockwise_attention
 from glm46_jax.model.layers import RMSNorm, apply_partial_rope, param
 from glm46_jax.sharding import logical, weight
 
@@ -21,6 +22,24 @@ def attention_mask(segment_ids: Int[Array, "b s"] | None, seq_len: int) -> Bool[
         return causal
     same_doc = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
     return causal & same_doc
+
+
+@struct.dataclass
+class SequenceMask:
+    """The causal + same-document mask of `attention_mask` as what it is made of, for attention_impl="blockwise"
+    (which builds each block's mask itself and never holds [s, t]): query i sees key j iff
+    positions[j] <= positions[i] and, with segment ids, they share a segment. `positions` index the row
+    (not RoPE positions, which restart per packed document)."""
+    positions: Int[Array, "s"]
+    segment_ids: Int[Array, "b s"] | None
+
+
+def self_attention_mask(cfg: ModelConfig, segment_ids: Int[Array, "b s"] | None,
+                        seq_len: int) -> Bool[Array, "b 1 s t"] | SequenceMask:
+    """The training / scoring forward's mask in the form `cfg.attention_impl` consumes."""
+    if cfg.attention_impl == "blockwise":
+        return SequenceMask(jnp.arange(seq_len, dtype=jnp.int32), segment_ids)
+    return attention_mask(segment_ids, seq_len)
 
 
 # Laid out like the k/v activations (batch over data x expert, kv heads over tensor), one slice per layer.
@@ -94,7 +113,7 @@ class Attention(nnx.Module):
 
     @jax.named_scope("attention")  # op names in profiles and HLO dumps: .../attention/...
     def __call__(self, x: Float[Array, "b s d"], cos: Array, sin: Array,
-                 mask: Bool[Array, "b 1 s t"]) -> Float[Array, "b s d"]:
+                 mask: Bool[Array, "b 1 s t"] | SequenceMask) -> Float[Array, "b s d"]:
         q, k, v = self._qkv(x, cos, sin)
         return self._attend(q, k, v, mask)
 
@@ -124,7 +143,12 @@ class Attention(nnx.Module):
     def _attend(self, q, k, v, mask):
         cfg = self.cfg
         scale = cfg.head_dim ** -0.5  # 1/sqrt(head_dim), not 1/sqrt(hidden/heads)
-        if cfg.attention_impl == "xla":
+        if isinstance(mask, SequenceMask):
+            pos, seg = mask.positions, mask.segment_ids
+            out = blockwise_attention(q, k, v, q_positions=pos, k_positions=pos, q_segment_ids=seg,
+                                      k_segment_ids=seg, scale=scale, block_q=cfg.attention_block_q,
+                                      block_kv=cfg.attention_block_kv)
+        elif cfg.attention_impl in ("xla", "blockwise"):  # blockwise's generation path: a dense cache mask
             out = _xla_attention(q, k, v, mask, scale)
         else:  # jax.nn.dot_product_attention: cuDNN flash attention on GPU when asked for
             impl = "cudnn" if cfg.attention_impl == "cudnn" else None

@@ -10,7 +10,7 @@ from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
 from glm46_jax.config import ModelConfig
-from glm46_jax.model.attention import Attention, KVCache, attention_mask, cache_mask
+from glm46_jax.model.attention import Attention, KVCache, cache_mask, self_attention_mask
 from glm46_jax.model.layers import MLP, RMSNorm, param, rope_cos_sin
 from glm46_jax.model.moe import MoE
 from glm46_jax.sharding import logical, weight
@@ -170,7 +170,7 @@ class GLMMoE(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         cos, sin = rope_cos_sin(positions, cfg, dt)  # shared by every layer (and the MTP layer)
-        mask = attention_mask(segment_ids, s)
+        mask = self_attention_mask(cfg, segment_ids, s)
         embed = weight(self.embed_tokens)
         act = logical("batch", "seq", "act_embed")
 

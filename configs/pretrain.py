@@ -54,7 +54,9 @@ def _glm45_phases(rope_long: float = 1e6) -> dict:
     }
 
 
-# preset -> overrides of the defaults in get_config. Only what differs.
+# preset -> overrides of the defaults in get_config. Only what differs. The presets with 32K+ phases use
+# blockwise attention (no [s, s] scores, any backend: docs/long_context.md#blockwise-attention); on GPUs
+# --config.model.attention_impl=cudnn is the flash-attention kernel where cuDNN supports the case.
 _PRESETS = {
     # ~2 min on a 2-core CPU including compile: 200 steps of 16 x 128 tokens (prose-heavy), then
     # 50 steps of 16 x 256 code-heavy rows, best-fit packed, at RoPE theta 1e6.
@@ -75,7 +77,7 @@ _PRESETS = {
         }),
     ),
     "small": dict(
-        model=dict(remat="save_matmuls"),
+        model=dict(remat="save_matmuls", attention_impl="blockwise"),
         mesh=dict(data=-1),
         optim=dict(lr=1e-3, end_lr=1e-4, warmup_steps=500),
         data=dict(phases={
@@ -85,11 +87,14 @@ _PRESETS = {
                               mixture=dict(code=0.7, web=0.3)),
         }),
     ),
-    "glm45_air": dict(model=dict(dtype="bfloat16", remat="full"), mesh=dict(data=-1, expert=8),
+    "glm45_air": dict(model=dict(dtype="bfloat16", remat="full", attention_impl="blockwise"),
+                      mesh=dict(data=-1, expert=8),
                       data=dict(phases=_glm45_phases())),
-    "glm45": dict(model=dict(dtype="bfloat16", remat="full"), mesh=dict(data=-1, expert=8),
+    "glm45": dict(model=dict(dtype="bfloat16", remat="full", attention_impl="blockwise"),
+                  mesh=dict(data=-1, expert=8),
                   data=dict(phases=_glm45_phases())),
-    "glm46": dict(model=dict(dtype="bfloat16", remat="full"), mesh=dict(data=-1, expert=8),
+    "glm46": dict(model=dict(dtype="bfloat16", remat="full", attention_impl="blockwise"),
+                  mesh=dict(data=-1, expert=8),
                   data=dict(phases=_glm45_phases())),
 }
 

@@ -1,28 +1,38 @@
 """Local routed-expert compute: the grouped SwiGLU matmul every dispatch strategy ends in.
 
-Sort-by-expert + capacity-padded batched einsum. `jax.lax.ragged_dot` alone would be simpler,
-but XLA lowers it to a dense product over every group on CPU and (by default) on NVIDIA GPUs:
-about 90x slower on this CPU for 64 experts (docs/sharding.md#grouped-expert-matmul). Capacity C = tokens gives exact
-dropless routing (top-k experts are distinct, so no expert can receive more than every token once).
+Two layouts of the same sum_j w[t, j] * Expert_{idx[t, j]}(x[t]) (docs/sharding.md#grouped-expert-matmul):
 
-The gather -> SwiGLU -> combine core has a hand-written VJP (`_routed_swiglu`, reverse mode only).
-Against plain autodiff of the same forward it brings the layer's fwd+bwd from ~1.35x to ~1.2x a dense
-FFN of the same FLOPs on CPU (benchmarks/moe_dispatch.py, RESULTS.md); the saving is all memory traffic:
-  * the combine and the input gradient are k [n, d] gathers summed in one fusion, never an
-    [n, k, d] tensor, and the transposes of the gathers are gathers (no zero-fill + scatter-add);
-  * the combine-weight gradient is taken in the hidden space, <dy @ W_down^T, h> per slot, so the
-    [E, C, d] expert output is not kept for the backward pass and no [n, k, d] product is formed.
-Freshly written buffers are expensive on CPU (XLA:CPU page-faults every large buffer on each call),
-so each [E, C, d] tensor not written saves several percent of the step. Inside a shard_map the
-cotangents get their primals' varying axes back (`_like`), as autodiff would give them.
+* **dropless** (`moe_capacity_factor = 0`, the default; `dropless_experts`): assignments sorted by expert, each
+  expert's group padded to a multiple of `moe_block_size` rows, and a loop over the *used* blocks only, each one
+  [block, d] x [d, f] matmul against its expert's weights. The work is the routed work plus at most
+  E_local x (block - 1) padding rows, whatever the routing, and tokens routed to another shard's experts cost
+  nothing here. `jax.lax.ragged_dot` would express the same thing, but XLA lowers it to a dense product over every
+  group on CPU (and, by default, on NVIDIA GPUs): ~85x slower on this CPU for 64 experts. The loop's trip count is
+  data-dependent (a while loop): XLA's cost analysis counts its body once, so tests count its FLOPs as
+  body x trips (tests/test_experts.py).
+* **capacity** (`moe_capacity_factor > 0`; `grouped_experts`): an [E_local, C, d] buffer per expert, one batched
+  einsum; assignments past an expert's capacity are dropped (earlier tokens win).
+
+Both have hand-written VJPs (reverse mode only). What they save against plain autodiff is memory traffic:
+  * the combine and the input gradient are k [n, d] gathers summed in one fusion, never an [n, k, d] tensor,
+    and the transposes of the gathers are gathers (no zero-fill + scatter-add);
+  * the combine-weight gradient is taken in the hidden space, <dy @ W_down^T, h> per slot, so the expert output
+    is not kept for the backward pass and no [n, k, d] product is formed;
+  * the dropless backward recomputes each block's gate/up products instead of saving them: on CPU writing two
+    [rows, f] buffers costs more than the two matmuls (measured: fwd+bwd 1.37x a dense FFN of equal FLOPs
+    with recompute, 1.8x when saving them).
+Freshly written buffers are expensive on CPU (XLA:CPU page-faults every large buffer on each call). Inside a
+shard_map the cotangents get their primals' varying axes back (`_like`), as autodiff would give them.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from glm46_jax.config import ModelConfig
@@ -144,6 +154,173 @@ def _routed_swiglu_bwd(res, dy):
 
 
 _routed_swiglu.defvjp(_routed_swiglu_fwd, _routed_swiglu_bwd)
+
+
+def local_experts(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float[Array, "n k"],
+                  w_gate_edf: Array, w_up_edf: Array, w_down_efd: Array, cfg: ModelConfig,
+                  expert_offset: Array | int = 0) -> tuple[Float[Array, "n d"], Int[Array, ""]]:
+    """The experts held here on these tokens, dropless or with a capacity as `cfg` says: (y, dropped count)."""
+    if cfg.moe_capacity_factor <= 0:
+        y = dropless_experts(x, idx, weights, w_gate_edf, w_up_edf, w_down_efd, cfg.moe_block_size, expert_offset)
+        return y, jnp.zeros((), jnp.int32)
+    return grouped_experts(x, idx, weights, w_gate_edf, w_up_edf, w_down_efd, expert_capacity(x.shape[0], cfg),
+                           expert_offset)
+
+
+@struct.dataclass
+class BlockLayout:
+    """Where each assignment sits in the expert-sorted, block-padded row space [rows, d].
+
+    Rows [b * block, (b + 1) * block) all belong to expert `block_expert[b]`; only the first `used` blocks hold
+    assignments. Padding rows point at token n / assignment n * k, which the gathers read as zeros.
+    """
+    row: Int[Array, "n k"]  # the row of each assignment (0 where it is not local: masked by `local`)
+    local: Bool[Array, "n k"]  # the assignment's expert is held here
+    row_token: Int[Array, " rows"]
+    row_assign: Int[Array, " rows"]
+    block_expert: Int[Array, " blocks"]
+    used: Int[Array, ""]
+
+
+def block_layout(idx: Int[Array, "n k"], num_local: int, expert_offset: Array | int, block: int) -> BlockLayout:
+    """Sort assignments by (local) expert and pad each expert's group to a multiple of `block` rows.
+
+    The row space is sized for the worst case (every assignment local: n * k + num_local * (block - 1) rows); the
+    loops only visit the `used` blocks.
+    """
+    n, k = idx.shape
+    a = n * k
+    local_e = idx.reshape(-1) - expert_offset
+    is_local = (local_e >= 0) & (local_e < num_local)
+    flat_e = jnp.where(is_local, local_e, num_local)  # other shards' assignments: bucket num_local, no rows
+    counts = jnp.bincount(flat_e, length=num_local + 1)[:num_local]
+    padded = (counts + block - 1) // block * block
+    padded_end = jnp.cumsum(padded)
+    order = jnp.argsort(flat_e, stable=True)
+    position = jnp.zeros(a, jnp.int32).at[order].set(jnp.arange(a, dtype=jnp.int32))  # rank in sorted order
+    expert = jnp.minimum(flat_e, num_local - 1)
+    start = jnp.cumsum(counts) - counts
+    row = jnp.where(is_local, padded_end[expert] - padded[expert] + position - start[expert], 0)
+    rows = -(-(a + num_local * (block - 1)) // block) * block
+    target = jnp.where(is_local, row, rows)  # out of range: dropped by the scatters below
+    assign = jnp.arange(a, dtype=jnp.int32)
+    row_assign = jnp.full((rows,), a, jnp.int32).at[target].set(assign, mode="drop", unique_indices=True)
+    row_token = jnp.where(row_assign < a, row_assign // k, n)
+    block_start = jnp.arange(rows // block) * block
+    block_expert = jnp.minimum(jnp.searchsorted(padded_end, block_start, side="right"), num_local - 1)
+    return BlockLayout(row=row.reshape(n, k).astype(jnp.int32), local=is_local.reshape(n, k),
+                       row_token=row_token, row_assign=row_assign, block_expert=block_expert.astype(jnp.int32),
+                       used=(padded_end[-1] // block).astype(jnp.int32))
+
+
+@jax.named_scope("experts")
+def dropless_experts(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float[Array, "n k"],
+                     w_gate_edf: Array, w_up_edf: Array, w_down_efd: Array, block: int,
+                     expert_offset: Array | int = 0) -> Float[Array, "n d"]:
+    """Sum_j weights[:, j] * Expert_{idx[:, j]}(x) over the experts held here, every assignment computed.
+
+    Combined in fp32 as HF does (expert output x fp32 weight, one cast at the end); assignments to experts held
+    elsewhere contribute nothing here.
+    """
+    dt = x.dtype
+    layout = block_layout(idx, w_gate_edf.shape[0], expert_offset, block)
+    w_nk = jnp.where(layout.local, weights.astype(jnp.float32), 0)
+    y = _blocked_swiglu(x, w_gate_edf.astype(dt), w_up_edf.astype(dt), w_down_efd.astype(dt), w_nk, layout, block)
+    return y.astype(dt)
+
+
+def _block_rows(a: Array, b: Array, block: int) -> Array:
+    return jax.lax.dynamic_slice_in_dim(a, b * block, block)
+
+
+def _expert(w: Array, e: Array) -> Array:
+    return jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _blocked_swiglu(x, wg, wu, wd, w_nk, layout: BlockLayout, block: int):
+    """y[t] = sum_j w_nk[t, j] * SwiGLU_{expert}(x[t]) (fp32 [n, d]); a loop over the used blocks."""
+    return _blocked_swiglu_fwd(x, wg, wu, wd, w_nk, layout, block)[0]
+
+
+def _blocked_swiglu_fwd(x, wg, wu, wd, w_nk, layout: BlockLayout, block: int):
+    rows = layout.row_token.shape[0]
+
+    def body(b, y_rows):
+        y_b = block_forward(x, wg, wu, wd, _block_rows(layout.row_token, b, block), layout.block_expert[b])
+        return jax.lax.dynamic_update_slice_in_dim(y_rows, y_b, b * block, 0)
+
+    y_rows = _pvary(jnp.zeros((rows, x.shape[1]), x.dtype), x, wg, wu, wd, layout.row_token)
+    y_rows = jax.lax.fori_loop(0, layout.used, body, y_rows)
+    return _gather_sum(y_rows, layout.row, w_nk, layout.local), (x, wg, wu, wd, w_nk, layout)
+
+
+def block_forward(x: Float[Array, "n d"], wg: Array, wu: Array, wd: Array, tokens: Int[Array, " block"],
+                  e: Int[Array, ""]) -> Float[Array, "block d"]:
+    """One block of the dropless loop: expert e's SwiGLU on rows x[tokens] (token n reads as zeros)."""
+    x_b = _take_rows(x, tokens)
+    return (jax.nn.silu(x_b @ _expert(wg, e)) * (x_b @ _expert(wu, e))) @ _expert(wd, e)
+
+
+def block_backward(x: Float[Array, "n d"], dy: Float[Array, "n d"], w_b: Float[Array, " block"], wg: Array,
+                   wu: Array, wd: Array, tokens: Int[Array, " block"], e: Int[Array, ""]) -> tuple[Array, ...]:
+    """One block of the dropless backward loop: (dW_gate[e], dW_up[e], dW_down[e], dx rows, d combine weight)."""
+    dt = x.dtype
+    x_b, dy_b = _take_rows(x, tokens), _take_rows(dy, tokens).astype(dt)
+    w_b = w_b[:, None]
+    w_gate, w_up, w_down = _expert(wg, e), _expert(wu, e), _expert(wd, e)
+    gate, up = x_b @ w_gate, x_b @ w_up  # recomputed: cheaper than keeping them (module docstring)
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    h = silu * up
+    dh_unweighted = dy_b @ w_down.T
+    # d/dw <dy, w * h @ Wd> = <dy @ Wd^T, h>: no expert output needs to be kept.
+    dw_b = jnp.sum(dh_unweighted.astype(jnp.float32) * h.astype(jnp.float32), axis=-1)
+    dh = dh_unweighted * w_b
+    dgate = (dh * up * (sig * (1 + gate * (1 - sig)))).astype(dt)
+    dup = (dh * silu).astype(dt)
+    dx_b = (dgate @ w_gate.T + dup @ w_up.T).astype(dt)
+    return x_b.T @ dgate, x_b.T @ dup, (h * w_b).astype(dt).T @ dy_b, dx_b, dw_b
+
+
+def _blocked_swiglu_bwd(block, res, dy):
+    x, wg, wu, wd, w_nk, layout = res
+    dt = x.dtype
+    rows = layout.row_token.shape[0]
+    w_row = _take_rows(w_nk.reshape(-1), layout.row_assign)  # fp32, 0 on padding rows
+
+    def body(b, carry):
+        dwg, dwu, dwd, dx_rows, dw_rows = carry
+        e = layout.block_expert[b]
+        dwg_b, dwu_b, dwd_b, dx_b, dw_b = block_backward(
+            x, dy, _block_rows(w_row, b, block), wg, wu, wd, _block_rows(layout.row_token, b, block), e)
+        return (_add_expert(dwg, e, dwg_b), _add_expert(dwu, e, dwu_b), _add_expert(dwd, e, dwd_b),
+                jax.lax.dynamic_update_slice_in_dim(dx_rows, dx_b, b * block, 0),
+                jax.lax.dynamic_update_slice_in_dim(dw_rows, dw_b, b * block, 0))
+
+    operands = (x, wg, wu, wd, dy, layout.row_token)
+    init = tuple(_pvary(z, *operands) for z in (jnp.zeros_like(wg), jnp.zeros_like(wu), jnp.zeros_like(wd),
+                                               jnp.zeros((rows, x.shape[1]), dt), jnp.zeros((rows,), jnp.float32)))
+    dwg, dwu, dwd, dx_rows, dw_rows = jax.lax.fori_loop(0, layout.used, body, init)
+    dw_nk = jnp.where(layout.local, dw_rows[layout.row], 0)
+    dx = _gather_sum(dx_rows, layout.row, jnp.ones(layout.row.shape, jnp.float32), layout.local).astype(dt)
+    grads = [_like(ct, primal) for ct, primal in zip((dx, dwg, dwu, dwd, dw_nk), (x, wg, wu, wd, w_nk))]
+    return (*grads, None)
+
+
+_blocked_swiglu.defvjp(_blocked_swiglu_fwd, _blocked_swiglu_bwd)
+
+
+def _add_expert(acc: Array, e: Array, update: Array) -> Array:
+    """acc[e] += update as a dynamic slice + update in place (`.at[e].add` is a scatter that rewrites acc)."""
+    current = jax.lax.dynamic_index_in_dim(acc, e, keepdims=True)
+    return jax.lax.dynamic_update_index_in_dim(acc, current + update[None].astype(acc.dtype), e, 0)
+
+
+def _pvary(a: Array, *like: Array) -> Array:
+    """`a` varying over every mesh axis any of `like` varies over (a loop carry must keep one type)."""
+    axes = frozenset().union(*(_varying(v) for v in like)) - _varying(a)
+    return jax.lax.pcast(a, tuple(sorted(axes)), to="varying") if axes else a
 
 
 def _varying(a: Array) -> frozenset:

@@ -16,7 +16,7 @@ from jaxtyping import Array, Float, Int
 
 from glm46_jax.config import ModelConfig
 from glm46_jax.model.adapters import adapted
-from glm46_jax.model.experts import expert_capacity, grouped_experts
+from glm46_jax.model.experts import expert_capacity, grouped_experts, local_experts
 from glm46_jax.model.layers import MLP, ExpertBias, param
 from glm46_jax.sharding import constrain, logical, mesh_axes, weight
 
@@ -97,8 +97,7 @@ def _allgather(x, idx, weights, wg, wu, wd, cfg):
     if axes:
         x, idx, weights = (jax.lax.all_gather(a, axes, axis=0, tiled=True) for a in (x, idx, weights))
     e_local = wg.shape[0]
-    y, dropped = grouped_experts(x, idx, weights, wg, wu, wd, expert_capacity(x.shape[0], cfg),
-                                 expert_offset=_first_local_expert(e_local))
+    y, dropped = local_experts(x, idx, weights, wg, wu, wd, cfg, expert_offset=_first_local_expert(e_local))
     if axes:
         y = jax.lax.psum_scatter(y.astype(jnp.float32), axes, scatter_dimension=0, tiled=True)
     return y, dropped
@@ -132,9 +131,12 @@ def _alltoall(x, idx, weights, wg, wu, wd, cfg):
 
     recv_x, recv_e, recv_w = exchange(send_x), exchange(send_e), exchange(send_w)
     m = shards * send_cap
-    recv_cap = m if dropless else expert_capacity(n * shards, cfg)
-    y, dropped = grouped_experts(recv_x.reshape(m, -1), recv_e.reshape(m, 1), recv_w.reshape(m, 1),
-                                 wg, wu, wd, min(recv_cap, m), expert_offset=_first_local_expert(e_local))
+    recv = (recv_x.reshape(m, -1), recv_e.reshape(m, 1), recv_w.reshape(m, 1), wg, wu, wd)
+    offset = _first_local_expert(e_local)
+    if dropless:  # the local experts run only the received assignments' blocks, however large the buffer
+        y, dropped = local_experts(*recv, cfg, expert_offset=offset)
+    else:  # capacity per expert as if the group's n * shards tokens had been routed here
+        y, dropped = grouped_experts(*recv, min(expert_capacity(n * shards, cfg), m), expert_offset=offset)
     back = exchange(y.astype(jnp.float32).reshape(shards, send_cap, -1))
     back = jnp.where(valid[..., None], back, 0)
     out = jnp.zeros((n, x.shape[-1]), jnp.float32).at[(src // k).reshape(-1)].add(back.reshape(m, -1))

@@ -86,12 +86,12 @@ class ActivationEstimate:
 def _moe_buffers_per_token(cfg: ModelConfig, mesh: Mapping[str, int], a: int) -> float:
     """Routed-expert bytes per local token in one MoE layer (model/moe.py, model/experts.py).
 
-    The grouped matmul pads every local expert to a capacity C. Per row: the gathered input,
-    gate, up and silu*up, the output, and the gradients of these in the backward, counted as
-    (3 H + 6 Im / tensor) * a. Rows per local token:
-      capacity factor cf > 0        k * cf (C = ceil(cf * tokens * k / E) per expert)
-      dropless (cf = 0), allgather  E  (C = all tokens of the expert group, for every local expert)
-      dropless, alltoall            E * min(k, E / expert)
+    With a capacity factor cf > 0 the grouped matmul pads every local expert to C = ceil(cf * tokens * k / E)
+    rows, k * cf per local token; per row the gathered input, gate, up and silu*up, the output, and their
+    gradients in the backward: (3 H + 6 Im / tensor) * a. Dropless (cf = 0,
+    docs/sharding.md#dropless-grouped-experts) runs block by block and adds each block into the tokens'
+    fp32 output and input gradient (8 H per token it computes on: the expert group's with allgather, the
+    receive buffer's expert * min(k, E / expert) slots per local token with alltoall).
     Exchange buffers: allgather gathers the expert group's tokens (expert * H in the compute dtype,
     plus the fp32 partial outputs); alltoall sends, receives and returns its slots (2 copies in the
     compute dtype, 2 in fp32).
@@ -101,14 +101,14 @@ def _moe_buffers_per_token(cfg: ModelConfig, mesh: Mapping[str, int], a: int) ->
     cf = cfg.moe_capacity_factor
     allgather = cfg.moe_dispatch == "allgather"
     if cf > 0:
-        rows = k * cf
+        routed = k * cf * (3 * h + 6 * fm) * a
     else:
-        rows = e if allgather else e * min(k, e // ep)
+        routed = (ep if allgather else ep * min(k, e // ep)) * 8 * h
     if allgather:
         exchange = ep * h * (a + 4) if ep > 1 else 0
     else:
         exchange = (k * cf if cf > 0 else ep * min(k, e // ep)) * h * (2 * a + 8)
-    return rows * (3 * h + 6 * fm) * a + exchange
+    return routed + exchange
 
 
 def activation_estimate(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_batch: int, seq_len: int,
@@ -240,8 +240,8 @@ class PlanResult:
         if self.micro_batch > 1:
             hints.append(f"a smaller --micro-batch (now {self.micro_batch}; accumulate gradients instead)")
         if cfg.moe_capacity_factor <= 0:
-            hints.append(f"a MoE capacity factor (--config.model.moe_capacity_factor=1.25): dropless routing pads "
-                         f"every expert to all tokens, {act.moe_buffers_per_layer / GiB:.2f} GiB per MoE layer")
+            hints.append(f"a MoE capacity factor (--config.model.moe_capacity_factor=1.25): dropless routing keeps "
+                         f"a worst-case row space, {act.moe_buffers_per_layer / GiB:.2f} GiB per MoE layer")
         if cfg.attention_impl == "xla":
             hints.append("flash attention (--config.model.attention_impl=cudnn) instead of [s, s] score matrices")
         return (f"DOES NOT FIT: needs {need:.2f} GiB per device, the device has {have:.2f} GiB "

@@ -244,15 +244,18 @@ def _blocked_swiglu(x, wg, wu, wd, w_nk, layout: BlockLayout, block: int):
 
 
 def _blocked_swiglu_fwd(x, wg, wu, wd, w_nk, layout: BlockLayout, block: int):
-    rows = layout.row_token.shape[0]
+    w_row = _take_rows(w_nk.reshape(-1), layout.row_assign)  # fp32, 0 on padding rows
 
-    def body(b, y_rows):
-        y_b = block_forward(x, wg, wu, wd, _block_rows(layout.row_token, b, block), layout.block_expert[b])
-        return jax.lax.dynamic_update_slice_in_dim(y_rows, y_b, b * block, 0)
+    def body(b, y):
+        tokens = _block_rows(layout.row_token, b, block)
+        y_b = block_forward(x, wg, wu, wd, tokens, layout.block_expert[b])
+        # Straight into the token's output: no [rows, d] buffer sized for the worst case. A block holds one
+        # expert, so its tokens are distinct; padding rows (token n) fall outside and are dropped.
+        weighted = y_b.astype(jnp.float32) * _block_rows(w_row, b, block)[:, None]
+        return y.at[tokens].add(weighted, mode="drop", unique_indices=True)
 
-    y_rows = _pvary(jnp.zeros((rows, x.shape[1]), x.dtype), x, wg, wu, wd, layout.row_token)
-    y_rows = jax.lax.fori_loop(0, layout.used, body, y_rows)
-    return _gather_sum(y_rows, layout.row, w_nk, layout.local), (x, wg, wu, wd, w_nk, layout)
+    y = _pvary(jnp.zeros(x.shape, jnp.float32), x, wg, wu, wd, w_nk, layout.row_token)
+    return jax.lax.fori_loop(0, layout.used, body, y), (x, wg, wu, wd, w_nk, layout)
 
 
 def block_forward(x: Float[Array, "n d"], wg: Array, wu: Array, wd: Array, tokens: Int[Array, " block"],
@@ -285,26 +288,24 @@ def block_backward(x: Float[Array, "n d"], dy: Float[Array, "n d"], w_b: Float[A
 
 def _blocked_swiglu_bwd(block, res, dy):
     x, wg, wu, wd, w_nk, layout = res
-    dt = x.dtype
     rows = layout.row_token.shape[0]
     w_row = _take_rows(w_nk.reshape(-1), layout.row_assign)  # fp32, 0 on padding rows
 
     def body(b, carry):
-        dwg, dwu, dwd, dx_rows, dw_rows = carry
+        dwg, dwu, dwd, dx, dw_rows = carry
         e = layout.block_expert[b]
-        dwg_b, dwu_b, dwd_b, dx_b, dw_b = block_backward(
-            x, dy, _block_rows(w_row, b, block), wg, wu, wd, _block_rows(layout.row_token, b, block), e)
+        tokens = _block_rows(layout.row_token, b, block)
+        dwg_b, dwu_b, dwd_b, dx_b, dw_b = block_backward(x, dy, _block_rows(w_row, b, block), wg, wu, wd, tokens, e)
         return (_add_expert(dwg, e, dwg_b), _add_expert(dwu, e, dwu_b), _add_expert(dwd, e, dwd_b),
-                jax.lax.dynamic_update_slice_in_dim(dx_rows, dx_b, b * block, 0),
+                dx.at[tokens].add(dx_b.astype(jnp.float32), mode="drop", unique_indices=True),
                 jax.lax.dynamic_update_slice_in_dim(dw_rows, dw_b, b * block, 0))
 
     operands = (x, wg, wu, wd, dy, layout.row_token)
     init = tuple(_pvary(z, *operands) for z in (jnp.zeros_like(wg), jnp.zeros_like(wu), jnp.zeros_like(wd),
-                                               jnp.zeros((rows, x.shape[1]), dt), jnp.zeros((rows,), jnp.float32)))
-    dwg, dwu, dwd, dx_rows, dw_rows = jax.lax.fori_loop(0, layout.used, body, init)
+                                               jnp.zeros(x.shape, jnp.float32), jnp.zeros((rows,), jnp.float32)))
+    dwg, dwu, dwd, dx, dw_rows = jax.lax.fori_loop(0, layout.used, body, init)
     dw_nk = jnp.where(layout.local, dw_rows[layout.row], 0)
-    dx = _gather_sum(dx_rows, layout.row, jnp.ones(layout.row.shape, jnp.float32), layout.local).astype(dt)
-    grads = [_like(ct, primal) for ct, primal in zip((dx, dwg, dwu, dwd, dw_nk), (x, wg, wu, wd, w_nk))]
+    grads = [_like(ct, primal) for ct, primal in zip((dx.astype(x.dtype), dwg, dwu, dwd, dw_nk), (x, wg, wu, wd, w_nk))]
     return (*grads, None)
 
 

@@ -4,9 +4,9 @@ Two layouts of the same sum_j w[t, j] * Expert_{idx[t, j]}(x[t]) (docs/sharding.
 
 * **dropless** (`moe_capacity_factor = 0`, the default; `dropless_experts`): assignments sorted by expert, each
   expert's group padded to a multiple of `moe_block_size` rows, and a loop over the *used* blocks only, each one
-  [block, d] x [d, f] matmul against its expert's weights. The work is the routed work plus at most
-  E_local x (block - 1) padding rows, whatever the routing, and tokens routed to another shard's experts cost
-  nothing here. `jax.lax.ragged_dot` would express the same thing, but XLA lowers it to a dense product over every
+  [block, d] x [d, f] matmul against its expert's weights, added into its tokens' fp32 output rows. The work is
+  the routed work plus at most E_local x (block - 1) padding rows, whatever the routing, and tokens routed to
+  another shard's experts cost nothing here; no activation buffer is sized by the worst-case row space. `jax.lax.ragged_dot` would express the same thing, but XLA lowers it to a dense product over every
   group on CPU (and, by default, on NVIDIA GPUs): ~85x slower on this CPU for 64 experts. The loop's trip count is
   data-dependent (a while loop): XLA's cost analysis counts its body once, so tests count its FLOPs as
   body x trips (tests/test_experts.py).
@@ -14,8 +14,8 @@ Two layouts of the same sum_j w[t, j] * Expert_{idx[t, j]}(x[t]) (docs/sharding.
   einsum; assignments past an expert's capacity are dropped (earlier tokens win).
 
 Both have hand-written VJPs (reverse mode only). What they save against plain autodiff is memory traffic:
-  * the combine and the input gradient are k [n, d] gathers summed in one fusion, never an [n, k, d] tensor,
-    and the transposes of the gathers are gathers (no zero-fill + scatter-add);
+  * capacity: the combine and the input gradient are k [n, d] gathers summed in one fusion, never an [n, k, d]
+    tensor, and the transposes of the gathers are gathers (no zero-fill + scatter-add);
   * the combine-weight gradient is taken in the hidden space, <dy @ W_down^T, h> per slot, so the expert output
     is not kept for the backward pass and no [n, k, d] product is formed;
   * the dropless backward recomputes each block's gate/up products instead of saving them: on CPU writing two

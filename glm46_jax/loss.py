@@ -19,13 +19,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from glm46_jax.config import ModelConfig, check_range
 from glm46_jax.model import apply
+from glm46_jax.sharding import whole_along
 
-# A batch is a dict of [b, s] int arrays: "inputs", "targets" and optionally "loss_mask".
+# A batch is a dict of [b, s] int arrays: "inputs", "targets" and optionally "loss_mask", "positions",
+# "segment_ids". A batch laid out for a context axis > 1 (`loader.to_context_layout`) also brings the MTP
+# layer's inputs and labels, derived in the row's original order: "mtp_inputs", "mtp_targets", "mtp_mask".
+# Every term below is a sum over positions, so it does not depend on the order of a row's slots.
 Batch = dict[str, Array]
 
 
@@ -72,9 +77,12 @@ def mtp_labels(targets: Int[Array, "*b s"], mask: Array) -> tuple[Int[Array, "*b
     token. No separate segment_ids check is needed: the loader's loss_mask is 1 only where a target
     is in its input's segment, so mask[t] & mask[t + 1] already means seg[t] == seg[t+1] == seg[t+2].
     """
+    xp = np if isinstance(targets, np.ndarray) else jnp  # the loader derives them on the host (context layout)
+    if xp is jnp:  # a roll along the row needs it whole (the seq axis is context-sharded, even at size 1)
+        targets, mask = whole_along(targets, -1), whole_along(jnp.asarray(mask), -1)
     s = targets.shape[-1]
-    has_target = jnp.arange(s) < s - 1  # leading axes (micro-batches) broadcast
-    return jnp.roll(targets, -1, axis=-1), mask & jnp.roll(mask, -1, axis=-1) & has_target
+    has_target = xp.arange(s) < s - 1  # leading axes (micro-batches) broadcast
+    return xp.roll(targets, -1, axis=-1), mask & xp.roll(mask, -1, axis=-1) & has_target
 
 
 def sequence_aux_loss(scores: Float[Array, "*l b s e"], mask: Array, k: int) -> Float[Array, "b"]:
@@ -135,8 +143,14 @@ def batch_norms(batch: Batch) -> Norms:
     """The normalisers of `batch`: valid next-token targets, valid MTP targets, rows with a target."""
     mask = _mask(batch)
     return {"tokens": mask.sum().astype(jnp.float32),
-            "mtp_tokens": mtp_labels(batch["targets"], mask)[1].sum().astype(jnp.float32),
+            "mtp_tokens": _mtp_labels(batch, mask)[1].sum().astype(jnp.float32),
             "sequences": mask.any(-1).sum().astype(jnp.float32)}
+
+
+def _mtp_labels(batch: Batch, mask: Array) -> tuple[Array, Array]:
+    if "mtp_targets" in batch:  # laid out for the context axis: shifted in the original order by the loader
+        return batch["mtp_targets"], batch["mtp_mask"].astype(bool)
+    return mtp_labels(batch["targets"], mask)
 
 
 def _mask(batch: Batch) -> Array:
@@ -161,7 +175,7 @@ def loss_fn(params: nnx.State, buffers: nnx.State, batch: Batch, graphdef: nnx.G
     norms = batch_norms(batch) if norms is None else norms
     use_mtp = loss_cfg.mtp and cfg.num_nextn_predict_layers > 0
     out = apply(graphdef, params, buffers, inputs, batch.get("positions"), batch.get("segment_ids"),
-                with_mtp=use_mtp)
+                with_mtp=use_mtp, next_tokens=batch.get("mtp_inputs"))
 
     def masked_sum(x, m):
         return jnp.sum(x * _laid_out_like(m, x).astype(jnp.float32))
@@ -185,7 +199,7 @@ def loss_fn(params: nnx.State, buffers: nnx.State, batch: Batch, graphdef: nnx.G
             metrics["expert_load"], metrics["dropped_frac"] = out.aux["expert_load"], out.aux["dropped_frac"]
         if use_mtp:
             with jax.named_scope("mtp_loss"):
-                mtp_targets, mtp_mask = mtp_labels(targets, mask)
+                mtp_targets, mtp_mask = _mtp_labels(batch, mask)
                 mtp_ce = (masked_sum(token_nll(out.mtp_logits, mtp_targets), mtp_mask)
                           / jnp.maximum(norms["mtp_tokens"], 1.0))
                 loss = loss + mtp_weight * mtp_ce

@@ -1,7 +1,7 @@
 """The device mesh and the one table of logical-axis rules.
 
 Model code names array axes logically ("embed", "heads", "exp", ...); only this module knows
-which mesh axis (data, tensor, expert, pipeline) each logical name lands on.
+which mesh axis (data, tensor, expert, pipeline, context) each logical name lands on.
 """
 
 from __future__ import annotations
@@ -11,18 +11,23 @@ import math
 from typing import Iterator, Mapping, Sequence
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
 
 from glm46_jax.cli import InputError
 
-MESH_AXES = ("data", "tensor", "expert", "pipeline")
+# `context` is last: the fastest-varying axis, so a sequence's shards sit on neighbouring devices
+# (docs/long_context.md#the-context-axis).
+MESH_AXES = ("data", "tensor", "expert", "pipeline", "context")
 
 # logical name -> mesh axis (or tuple of axes, or None = replicated).
 # Parameters are FSDP-sharded over `data` through their "embed" dimension (ZeRO-3 style).
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "expert")),
-    ("seq", None),
+    ("seq", "context"),
+    # The MoE shard_map's flattened (batch x seq) token axis: a sequence's context shards are more token shards.
+    ("tokens", ("data", "expert", "context")),
     ("act_embed", None),
     ("layers", None),
     ("vocab", "tensor"),
@@ -42,7 +47,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 
 def make_mesh(shape: Mapping[str, int] | None = None, devices: Sequence[jax.Device] | None = None,
               cfg=None, global_batch: int | None = None) -> jax.sharding.Mesh:
-    """A mesh over (data, tensor, expert, pipeline); one axis may be -1 to take the remaining devices.
+    """A mesh over MESH_AXES; one axis may be -1 to take the remaining devices.
 
     With `cfg` (and `global_batch`) the layout is validated against the model first.
     """
@@ -50,8 +55,8 @@ def make_mesh(shape: Mapping[str, int] | None = None, devices: Sequence[jax.Devi
     sizes = mesh_shape(shape, len(devices))
     if cfg is not None:
         validate_mesh(sizes, cfg, global_batch)
-    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Explicit,) * 4,
-                         devices=devices)
+    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
+                         axis_types=(AxisType.Explicit,) * len(MESH_AXES), devices=devices)
 
 
 # Weights are stored FSDP-sharded over `data` but used gathered: these logical names are
@@ -101,7 +106,9 @@ def mesh_shape(shape: Mapping[str, int] | None, num_devices: int) -> dict[str, i
 
 
 def validate_mesh(sizes: Mapping[str, int], cfg, global_batch: int | None = None) -> None:
-    """Clear errors for a mesh the model cannot be laid out on (checked before anything is built)."""
+    """Clear errors for a mesh the model cannot be laid out on (checked before anything is built).
+
+    Sequence lengths are checked per phase with `check_context_split`."""
     def need(dim: int, axes: tuple[str, ...], what: str, fix: str):
         n = math.prod(sizes.get(a, 1) for a in axes)
         if dim % n:
@@ -113,6 +120,10 @@ def validate_mesh(sizes: Mapping[str, int], cfg, global_batch: int | None = None
         raise InputError(f"mesh.pipeline={sizes['pipeline']}: pipeline stages are not built yet, so the pipeline "
                          "replicas would all do the same work; set mesh.pipeline=1 and give the devices to "
                          "mesh.data, mesh.expert or mesh.tensor")
+    if sizes.get("context", 1) > 1 and cfg.attention_impl != "blockwise":
+        raise InputError(f"model.attention_impl={cfg.attention_impl!r}: a sequence split over mesh.context="
+                         f"{sizes['context']} needs attention_impl='blockwise' (queries of one shard attend to the "
+                         "gathered keys by position); set --config.model.attention_impl=blockwise or mesh.context=1")
     tensor, expert = ("tensor",), ("expert",)
     need(cfg.n_routed_experts, expert, "model.n_routed_experts", "choose a mesh.expert that divides it")
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
@@ -123,6 +134,35 @@ def validate_mesh(sizes: Mapping[str, int], cfg, global_batch: int | None = None
     if global_batch is not None:
         need(global_batch, mesh_axes("batch"), "train.global_batch",
              "the batch is split over the data and expert axes; make it a multiple of their product")
+
+
+def check_context_split(seq_len: int, context: int, field: str) -> None:
+    """InputError naming `field` unless a row of `seq_len` tokens splits into the 2 x context chunks of
+    `load_balanced_order`."""
+    if seq_len % (2 * context):
+        raise InputError(f"{field}={seq_len} is not a multiple of 2 x mesh.context = {2 * context} (each context "
+                         "shard holds an early and a late chunk of every row); choose a multiple, or a smaller "
+                         "mesh.context")
+
+
+def load_balanced_order(seq_len: int, context: int) -> np.ndarray:
+    """The row index held at each slot of a row laid out for `context` shards (docs/long_context.md#load-balance).
+
+    The row is cut into 2C chunks; shard i holds chunks i and 2C-1-i, so each shard gets the same causal work
+    (an early chunk sees few keys, its late partner many). Slot j of the laid-out row holds token
+    `order[j]` of the original row; C = 1 is the identity.
+    """
+    if context == 1:
+        return np.arange(seq_len, dtype=np.int32)
+    if seq_len % (2 * context):
+        raise ValueError(f"a row of {seq_len} tokens does not split into 2 x {context} equal chunks")
+    chunks = np.arange(seq_len, dtype=np.int32).reshape(2 * context, -1)
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * context - 1 - i]]) for i in range(context)])
+
+
+def context_size() -> int:
+    """Size of the `context` axis of the mesh in use (1 outside a mesh)."""
+    return dict(jax.sharding.get_abstract_mesh().shape).get("context", 1)
 
 
 def logical(*names: str | None) -> PartitionSpec:
@@ -150,6 +190,43 @@ def weight(p: nnx.Variable, dtype=None) -> jax.Array:
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:
     """Pin an activation's layout at a block boundary (Explicit mode: a real reshard)."""
     return jax.sharding.reshard(x, logical(*names))
+
+
+def flatten_tokens(x: jax.Array) -> jax.Array:
+    """[b, s, ...] -> [b * s, ...] laid out as "tokens" (data x expert x context), by a reshape on each
+    device: its block of rows x slots becomes its block of tokens, nothing moves. The global token order is
+    then (batch shard, context shard, row, slot), row-major only without a context axis: token-wise work
+    (routing, experts) does not care, and `unflatten_tokens` puts every token back."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x.reshape(-1, *x.shape[2:])
+    rest = (None,) * (x.ndim - 2)
+    rows = logical("batch", "seq", *rest)
+    return jax.shard_map(lambda a: a.reshape(-1, *a.shape[2:]), in_specs=rows,
+                         out_specs=logical("tokens", *rest))(jax.sharding.reshard(x, rows))
+
+
+def unflatten_tokens(x: jax.Array, b: int, s: int) -> jax.Array:
+    """The inverse of `flatten_tokens`: [b * s, ...] "tokens" -> [b, s, ...] (batch, seq)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x.reshape(b, s, *x.shape[1:])
+    sizes = dict(mesh.shape)
+    local_b, local_s = b // math.prod(sizes[a] for a in mesh_axes("batch")), s // sizes["context"]
+    rest = (None,) * (x.ndim - 1)
+    tokens = logical("tokens", *rest)
+    return jax.shard_map(lambda a: a.reshape(local_b, local_s, *a.shape[1:]), in_specs=tokens,
+                         out_specs=logical("batch", "seq", *rest))(jax.sharding.reshard(x, tokens))
+
+
+def whole_along(x: jax.Array, axis: int) -> jax.Array:
+    """`x` with `axis` unsharded (all-gathered; a no-op outside a mesh): for ops along the sequence (a roll,
+    an [s, t] comparison), which the seq axis's `context` sharding forbids, even at size 1."""
+    layout = jax.typeof(x).sharding
+    if layout.mesh.empty:
+        return x
+    spec = list(layout.spec) + [None] * (x.ndim - len(layout.spec))
+    spec[axis] = None
+    return jax.sharding.reshard(x, layout.update(spec=jax.P(*spec)))
 
 
 @contextlib.contextmanager

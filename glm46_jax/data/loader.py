@@ -301,9 +301,34 @@ def _absl_flags_parsed():
         flags.FLAGS.mark_as_parsed()
 
 
+def to_context_layout(batch: Mapping[str, np.ndarray], context: int) -> dict[str, np.ndarray]:
+    """Rows laid out for a sequence split over `context` shards (docs/long_context.md#load-balance): every
+    [rows, seq] field permuted by `sharding.load_balanced_order`, plus the MTP layer's inputs and labels
+    ("mtp_inputs", "mtp_targets", "mtp_mask"), derived first in the row's original order since they shift
+    along it. `from_context_layout` undoes the permutation. context = 1: the batch as it is.
+    """
+    if context == 1:
+        return dict(batch)
+    from glm46_jax.loss import mtp_labels  # the one definition of MTP labels (loss pulls in the model: imported late)
+
+    inputs = np.asarray(batch["inputs"])
+    mask = np.asarray(batch["loss_mask"]).astype(bool) if "loss_mask" in batch else np.ones(inputs.shape, bool)
+    mtp_targets, mtp_mask = mtp_labels(np.asarray(batch["targets"]), mask)
+    fields = {**batch, "mtp_inputs": np.roll(inputs, -1, axis=-1), "mtp_targets": mtp_targets,
+              "mtp_mask": mtp_mask.astype(np.int32)}
+    order = sharding.load_balanced_order(inputs.shape[-1], context)
+    return {k: np.asarray(v)[..., order] for k, v in fields.items()}
+
+
+def from_context_layout(x: np.ndarray | jax.Array, context: int, axis: int = 1) -> np.ndarray | jax.Array:
+    """The original row order of `x` (e.g. logits) whose `axis` is in the layout of `to_context_layout`."""
+    return x.take(np.argsort(sharding.load_balanced_order(x.shape[axis], context)), axis=axis)
+
+
 def to_global(batch: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh, *, accum_steps: int = 1,
               global_rows: bool = False) -> dict[str, jax.Array]:
-    """This process's rows -> global arrays sharded over the mesh's batch axes.
+    """This process's rows -> global arrays sharded over the mesh's batch axes (and `context`: the rows are
+    then laid out by `to_context_layout`).
 
     `accum_steps` > 1: [accum, rows / accum, seq], the micro-batch axis unsharded (the train step
     scans over it). `global_rows`: every process holds the whole batch (data.process_split="rows")
@@ -312,6 +337,7 @@ def to_global(batch: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh, *, accum
     """
     layout = NamedSharding(mesh, sharding.logical(*((None,) if accum_steps > 1 else ()), "batch", "seq"))
     out = {}
+    batch = to_context_layout(batch, dict(mesh.shape).get("context", 1))
     with jax.transfer_guard_host_to_device("allow"):
         for k, v in batch.items():
             v = np.asarray(v)

@@ -77,9 +77,12 @@ def merge(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State) -> GLMM
 
 def apply(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, tokens: Int[Array, "b s"],
           positions: Int[Array, "b s"] | None = None, segment_ids: Int[Array, "b s"] | None = None,
-          *, with_mtp: bool = True) -> ModelOutput:
-    """The pure forward pass: logits, final hidden state, MTP logits and router statistics."""
-    return merge(graphdef, params, buffers)(tokens, positions, segment_ids, with_mtp=with_mtp)
+          *, with_mtp: bool = True, next_tokens: Int[Array, "b s"] | None = None) -> ModelOutput:
+    """The pure forward pass: logits, final hidden state, MTP logits and router statistics.
+
+    `next_tokens`: the MTP layer's inputs (default: the tokens shifted by one; required on a context axis > 1)."""
+    return merge(graphdef, params, buffers)(tokens, positions, segment_ids, with_mtp=with_mtp,
+                                            next_tokens=next_tokens)
 
 
 def apply_cached(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, tokens: Int[Array, "b s"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import einops
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,7 @@ from glm46_jax.config import ModelConfig
 from glm46_jax.model.adapters import adapted
 from glm46_jax.model.blockwise_attention import blockwise_attention
 from glm46_jax.model.layers import RMSNorm, apply_partial_rope, param
-from glm46_jax.sharding import logical, weight
+from glm46_jax.sharding import context_size, load_balanced_order, logical, mesh_axes, weight, whole_along
 
 
 def attention_mask(segment_ids: Int[Array, "b s"] | None, seq_len: int) -> Bool[Array, "b 1 s t"]:
@@ -20,6 +22,7 @@ def attention_mask(segment_ids: Int[Array, "b s"] | None, seq_len: int) -> Bool[
     causal = jnp.tril(jnp.ones((seq_len, seq_len), bool))[None, None]
     if segment_ids is None:
         return causal
+    segment_ids = whole_along(segment_ids, 1)  # [s, t] cannot shard both axes over `context`
     same_doc = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
     return causal & same_doc
 
@@ -29,7 +32,8 @@ class SequenceMask:
     """The causal + same-document mask of `attention_mask` as what it is made of, for attention_impl="blockwise"
     (which builds each block's mask itself and never holds [s, t]): query i sees key j iff
     positions[j] <= positions[i] and, with segment ids, they share a segment. `positions` index the row
-    (not RoPE positions, which restart per packed document)."""
+    (not RoPE positions, which restart per packed document); on a mesh with a context axis > 1 the row is in
+    the load-balanced layout and `positions` say where each slot came from (`sharding.load_balanced_order`)."""
     positions: Int[Array, "s"]
     segment_ids: Int[Array, "b s"] | None
 
@@ -38,7 +42,9 @@ def self_attention_mask(cfg: ModelConfig, segment_ids: Int[Array, "b s"] | None,
                         seq_len: int) -> Bool[Array, "b 1 s t"] | SequenceMask:
     """The training / scoring forward's mask in the form `cfg.attention_impl` consumes."""
     if cfg.attention_impl == "blockwise":
-        return SequenceMask(jnp.arange(seq_len, dtype=jnp.int32), segment_ids)
+        return SequenceMask(jnp.asarray(load_balanced_order(seq_len, context_size())), segment_ids)
+    if context_size() > 1:  # sharding.validate_mesh says this to a user; this is for direct callers
+        raise ValueError(f"attention_impl={cfg.attention_impl!r} cannot split a sequence over the context axis")
     return attention_mask(segment_ids, seq_len)
 
 
@@ -143,11 +149,16 @@ class Attention(nnx.Module):
     def _attend(self, q, k, v, mask):
         cfg = self.cfg
         scale = cfg.head_dim ** -0.5  # 1/sqrt(head_dim), not 1/sqrt(hidden/heads)
+        if context_size() == 1:  # seq names the context axis even at size 1: [s, t] products cannot shard both
+            q, k, v = (jax.sharding.reshard(a, logical("batch", None, heads, None))
+                       for a, heads in ((q, "heads"), (k, "kv_heads"), (v, "kv_heads")))
         if isinstance(mask, SequenceMask):
+            attend = blockwise_attention if context_size() == 1 else context_parallel_attention
             pos, seg = mask.positions, mask.segment_ids
-            out = blockwise_attention(q, k, v, q_positions=pos, k_positions=pos, q_segment_ids=seg,
-                                      k_segment_ids=seg, scale=scale, block_q=cfg.attention_block_q,
-                                      block_kv=cfg.attention_block_kv)
+            if seg is not None and context_size() == 1:
+                seg = whole_along(seg, 1)
+            out = attend(q, k, v, q_positions=pos, k_positions=pos, q_segment_ids=seg, k_segment_ids=seg,
+                         scale=scale, block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv)
         elif cfg.attention_impl in ("xla", "blockwise"):  # blockwise's generation path: a dense cache mask
             out = _xla_attention(q, k, v, mask, scale)
         else:  # jax.nn.dot_product_attention: cuDNN flash attention on GPU when asked for
@@ -156,6 +167,38 @@ class Attention(nnx.Module):
         # Heads are tensor-sharded: the contraction is a reduce-scatter/all-reduce into the residual layout.
         return jnp.einsum("bshc,hcd->bsd", out, adapted(self, "o_proj", q.dtype),
                           out_sharding=logical("batch", "seq", "act_embed"))
+
+
+def context_parallel_attention(q: Float[Array, "b s h c"], k: Float[Array, "b s k c"], v: Float[Array, "b s k c"], *,
+                               q_positions: Int[Array, "s"], k_positions: Int[Array, "s"],
+                               q_segment_ids: Int[Array, "b s"] | None, k_segment_ids: Int[Array, "b s"] | None,
+                               scale: float, block_q: int, block_kv: int) -> Float[Array, "b s h c"]:
+    """Blockwise attention with the sequence sharded over `context` (docs/long_context.md#attention-across-shards).
+
+    Each shard all-gathers K/V (and key segment ids) over `context` and attends with its own queries, at their
+    true row positions, to every key; the gather's transpose (a reduce-scatter) returns dK/dV to their shards.
+    Batch and heads keep their data/expert and tensor sharding. Positions and segment ids are those of the
+    whole (laid-out) row, as `self_attention_mask` gives them.
+    """
+    seq = mesh_axes("seq")
+    q_spec, kv_spec = logical("batch", "seq", "heads", None), logical("batch", "seq", "kv_heads", None)
+    seg_spec, gathered_pos = logical("batch", "seq"), jax.P()
+    packed = q_segment_ids is not None
+
+    @partial(jax.shard_map, out_specs=q_spec,
+             in_specs=(q_spec, kv_spec, kv_spec, logical("seq"), gathered_pos) + (seg_spec, seg_spec) * packed)
+    def local(q, k, v, q_pos, k_pos, *segments):
+        k, v, *k_seg = (jax.lax.all_gather(a, seq, axis=1, tiled=True) for a in (k, v, *segments[1:]))
+        return blockwise_attention(q, k, v, q_positions=q_pos, k_positions=k_pos,
+                                   q_segment_ids=segments[0] if packed else None,
+                                   k_segment_ids=k_seg[0] if packed else None, scale=scale, block_q=block_q,
+                                   block_kv=block_kv)
+
+    args = [jax.sharding.reshard(q, q_spec), jax.sharding.reshard(k, kv_spec), jax.sharding.reshard(v, kv_spec),
+            jax.sharding.reshard(q_positions, logical("seq")), jax.sharding.reshard(k_positions, gathered_pos)]
+    if packed:
+        args += [jax.sharding.reshard(q_segment_ids, seg_spec), jax.sharding.reshard(k_segment_ids, seg_spec)]
+    return local(*args)
 
 
 def _xla_attention(q, k, v, mask, scale):

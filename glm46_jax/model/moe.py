@@ -18,7 +18,7 @@ from glm46_jax.config import ModelConfig
 from glm46_jax.model.adapters import adapted
 from glm46_jax.model.experts import expert_capacity, grouped_experts, local_experts
 from glm46_jax.model.layers import MLP, ExpertBias, param
-from glm46_jax.sharding import constrain, logical, mesh_axes, weight
+from glm46_jax.sharding import constrain, flatten_tokens, logical, mesh_axes, unflatten_tokens, weight
 
 
 def route(x: Float[Array, "n d"], w_router_de: Array, bias_e: Array,
@@ -53,18 +53,19 @@ def dispatch(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float[Arra
              cfg: ModelConfig) -> tuple[Float[Array, "n d"], Array, Int[Array, "e"]]:
     """The routed experts as one shard_map; returns (output, dropped fraction, global tokens per expert).
 
-    Tokens are sharded over the batch axes (data x expert), experts over `expert`, each expert's
-    FFN over `tensor`. Strategies (`cfg.moe_dispatch`) differ only in how tokens meet experts:
+    Tokens are sharded over the batch axes (data x expert) and the sequence's `context` shards (more token
+    shards: loads and drops are summed over all three), experts over `expert`, each expert's FFN over `tensor`.
+    Strategies (`cfg.moe_dispatch`) differ only in how tokens meet experts:
       allgather  gather the expert group's tokens, run the local experts on all of them, and
                  reduce-scatter the partial outputs back (simple; reported faster than ragged
                  all-to-all on GPUs at moderate expert-parallel sizes)
       alltoall   send each assignment to the shard owning its expert in capacity-sized buffers
                  with `all_to_all`, compute, send back (communication ~ k x tokens, not E x tokens)
     """
-    tok = logical("batch", None)
+    tok = logical("tokens", None)  # batch x seq flattened: data x expert x context
     exp = logical("exp", None, "mlp_moe")
     exp_down = logical("exp", "mlp_moe", None)
-    batch_axes = mesh_axes("batch")
+    batch_axes = mesh_axes("tokens")
     local_fn = _allgather if cfg.moe_dispatch == "allgather" else _alltoall
 
     @partial(jax.shard_map, in_specs=(tok, tok, tok, exp, exp, exp_down), out_specs=(tok, jax.P(), jax.P()))
@@ -159,19 +160,18 @@ class MoE(nnx.Module):
     def __call__(self, x: Float[Array, "b s d"]) -> tuple[Float[Array, "b s d"], dict[str, Array]]:
         cfg = self.cfg
         b, s, d = x.shape
-        x_nd = x.reshape(b * s, d)
+        x_nd = flatten_tokens(x)
         with jax.named_scope("router"):
             idx, weights, scores = route(x_nd, weight(self.router), self.e_score_correction_bias[...], cfg)
         routed, dropped, load = dispatch(
             x_nd, idx, weights, adapted(self, "gate_proj"), adapted(self, "up_proj"), adapted(self, "down_proj"), cfg)
         with jax.named_scope("shared_expert"):
             shared = self.shared_experts(x)
-        # Pin the layout: with a batch of 1 the reshape would otherwise move the token sharding to seq.
-        y = constrain(routed.reshape(b, s, d), "batch", "seq", "act_embed") + shared
+        y = constrain(unflatten_tokens(routed, b, s), "batch", "seq", "act_embed") + shared
         aux = {
             "expert_load": load,  # global top-k counts
             "dropped_frac": dropped,
-            "router_topk": idx.reshape(b, s, -1),
-            "router_scores": scores.reshape(b, s, -1),
+            "router_topk": unflatten_tokens(idx, b, s),
+            "router_scores": unflatten_tokens(scores, b, s),
         }
         return y, aux

@@ -13,7 +13,7 @@ from glm46_jax.config import ModelConfig
 from glm46_jax.model.attention import Attention, KVCache, cache_mask, self_attention_mask
 from glm46_jax.model.layers import MLP, RMSNorm, param, rope_cos_sin
 from glm46_jax.model.moe import MoE
-from glm46_jax.sharding import logical, weight
+from glm46_jax.sharding import context_size, load_balanced_order, logical, weight, whole_along
 
 
 class DecoderLayer(nnx.Module):
@@ -163,14 +163,18 @@ class GLMMoE(nnx.Module):
         self.mtp = MTPLayer(cfg, rngs=rngs) if cfg.num_nextn_predict_layers else None
 
     def __call__(self, tokens: Int[Array, "b s"], positions: Int[Array, "b s"] | None = None,
-                 segment_ids: Int[Array, "b s"] | None = None, *, with_mtp: bool = True) -> ModelOutput:
+                 segment_ids: Int[Array, "b s"] | None = None, *, with_mtp: bool = True,
+                 next_tokens: Int[Array, "b s"] | None = None) -> ModelOutput:
+        """On a mesh with a context axis > 1 every [b, s] input is in the load-balanced layout
+        (`loader.to_context_layout`); `next_tokens` (the MTP layer's input: the token after each one) must then
+        be given, since the row's next token is not the next slot."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         b, s = tokens.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        cos, sin = rope_cos_sin(positions, cfg, dt)  # shared by every layer (and the MTP layer)
         mask = self_attention_mask(cfg, segment_ids, s)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.asarray(load_balanced_order(s, context_size())), (b, s))
+        cos, sin = rope_cos_sin(positions, cfg, dt)  # shared by every layer (and the MTP layer)
         embed = weight(self.embed_tokens)
         act = logical("batch", "seq", "act_embed")
 
@@ -191,8 +195,11 @@ class GLMMoE(nnx.Module):
         mtp_logits = None
         if with_mtp and self.mtp is not None:
             with jax.named_scope("mtp"):
-                # Shift by one inside the row; the wrapped last row is never a valid target.
-                next_emb = embed.at[jnp.roll(tokens, -1, axis=1)].get(out_sharding=act).astype(dt)
+                if next_tokens is None:  # shift by one inside the row; the wrapped last row is never a valid target
+                    if context_size() > 1:
+                        raise ValueError("the MTP layer on a context-sharded row needs next_tokens")
+                    next_tokens = jnp.roll(whole_along(tokens, 1), -1, axis=1)
+                next_emb = embed.at[next_tokens].get(out_sharding=act).astype(dt)
                 mtp_graphdef, mtp_state = nnx.split(self.mtp)
 
                 def mtp(state, *args):

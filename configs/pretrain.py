@@ -54,6 +54,13 @@ def _glm45_phases(rope_long: float = 1e6) -> dict:
     }
 
 
+# One mesh serves a whole run (every phase), so GLM-4.5/4.6's is the one their 128K phase needs: each sequence
+# split over context=8 devices, data taking the rest (16 on 2048 H100s). The plan tool puts every phase under
+# 80 GB per device on 2048 H100s (docs/long_context.md#the-glm-45-mesh). The 4K phases would run faster with
+# context=1 (e.g. data=-1, tensor=8, expert=2): stop the run at the 32K phase's start (train.steps) and resume
+# with this mesh; checkpoints restore onto any mesh.
+_GLM45_MESH = dict(data=-1, tensor=8, expert=2, context=8)
+
 # preset -> overrides of the defaults in get_config. Only what differs. The presets with 32K+ phases use
 # blockwise attention (no [s, s] scores, any backend: docs/long_context.md#blockwise-attention); on GPUs
 # --config.model.attention_impl=cudnn is the flash-attention kernel where cuDNN supports the case.
@@ -91,10 +98,10 @@ _PRESETS = {
                       mesh=dict(data=-1, expert=8),
                       data=dict(phases=_glm45_phases())),
     "glm45": dict(model=dict(dtype="bfloat16", remat="full", attention_impl="blockwise"),
-                  mesh=dict(data=-1, expert=8),
+                  mesh=_GLM45_MESH,
                   data=dict(phases=_glm45_phases())),
     "glm46": dict(model=dict(dtype="bfloat16", remat="full", attention_impl="blockwise"),
-                  mesh=dict(data=-1, expert=8),
+                  mesh=_GLM45_MESH,
                   data=dict(phases=_glm45_phases())),
 }
 
@@ -111,7 +118,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     model["pad_token_id"] = config_dict.placeholder(int) if model["pad_token_id"] is None else model["pad_token_id"]
     c.model = dict(preset=preset, **{**model, **p["model"]})
 
-    c.mesh = dict(data=1, tensor=1, expert=1, pipeline=1)
+    c.mesh = dict(data=1, tensor=1, expert=1, pipeline=1, context=1)
     c.mesh.update(p["mesh"])
 
     # steps: 0 = until the curriculum's tokens are spent. accum_steps: micro-batches per step (every

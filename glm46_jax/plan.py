@@ -113,13 +113,20 @@ def _moe_buffers_per_token(cfg: ModelConfig, mesh: Mapping[str, int], a: int) ->
 
 def activation_estimate(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_batch: int, seq_len: int,
                         remat: str | None = None) -> ActivationEstimate:
-    """Activation bytes per device for `micro_batch` sequences of `seq_len` tokens on each batch shard.
+    """Activation bytes per device for `micro_batch` sequences of `seq_len` tokens on each batch shard, each
+    sequence split over the `context` axis (C): a device holds micro_batch * seq_len / C tokens.
 
-    An estimate that leans high. Per token, with a = bytes of cfg.dtype, tp = tensor axis,
+    An estimate that leans high. Per local token, with a = bytes of cfg.dtype, tp = tensor axis,
     q = ceil(nh/tp)*hd, kv = ceil(nkv/tp)*hd, f = ceil(I/tp), fs = ceil(Im*n_shared/tp), a layer holds
-      attention  a * (2H norm + 3*(q + 2 kv) projections/bias/qk-norm/rope + q + H out)
-                 + [s, s] scores of ceil(nh/tp) heads: fp32 scores, fp32 softmax and probs in a,
-                   (8 + a) bytes each (only an fp32 log-sum-exp with attention_impl="cudnn", flash)
+      attention  a * (2H norm + 3*(q + 2 kv) projections/bias/qk-norm/rope + q + H out), plus by
+                 `attention_impl` (docs/long_context.md#memory):
+                   xla, dot_product  [s, s] scores of ceil(nh/tp) heads: fp32 scores, fp32 softmax and
+                                     probs in a, (8 + a) bytes per key
+                   cudnn             an fp32 log-sum-exp per head (flash attention)
+                   blockwise         an fp32 log-sum-exp per head, the fp32 dK/dV accumulators of the
+                                     backward (2 kv * 4), and with C > 1 the K/V gathered from the other
+                                     shards, (C - 1) * 2 kv * a; plus per row, not per token, one score tile
+                                     [block_q, block_kv] per head, (8 + a) bytes each
       dense FFN  a * (2H norm + 3f + H)
       MoE        a * (2H norm + 3 fs + H shared + H routed) + fp32 router logits/scores (8E)
                  + fp32 combine (4H) + the routed buffers of `_moe_buffers_per_token`
@@ -150,7 +157,13 @@ def activation_estimate(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_b
     fs = -(-cfg.shared_intermediate_size // tp)
     routed = _moe_buffers_per_token(cfg, mesh_sizes, a)
 
-    scores = heads * 4 if cfg.attention_impl == "cudnn" else heads * seq_len * (8 + a)
+    context = mesh_sizes.get("context", 1)
+    if cfg.attention_impl == "cudnn":
+        scores = heads * 4
+    elif cfg.attention_impl == "blockwise":
+        scores = heads * 4 + 2 * kv * 4 + (context - 1) * 2 * kv * a
+    else:
+        scores = heads * seq_len * (8 + a)
     attn = a * (2 * h + 3 * (q + 2 * kv) + q + h) + scores
     dense = a * (2 * h + 3 * f + h)
     moe = a * (2 * h + 3 * fs + 2 * h) + 8 * e + 4 * h + routed
@@ -169,8 +182,12 @@ def activation_estimate(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_b
         mtp=n_mtp * ((attn + moe if remat == "none" else saved_moe) + 7 * a * h) + 2 * a * h,
         logits=(1 + n_mtp) * -(-cfg.vocab_size // tp) * (a + 8),
         moe_buffers_per_layer=routed)
-    tokens = micro_batch * seq_len
-    return ActivationEstimate(*(math.ceil(tokens * v) for v in dataclasses.astuple(per_token)))
+    tokens = micro_batch * seq_len / context
+    out = ActivationEstimate(*(math.ceil(tokens * v) for v in dataclasses.astuple(per_token)))
+    if cfg.attention_impl == "blockwise":  # the tile of the layer being computed
+        tile = micro_batch * heads * min(cfg.attention_block_q, seq_len) * min(cfg.attention_block_kv, seq_len)
+        out = dataclasses.replace(out, recompute=out.recompute + tile * (8 + a))
+    return out
 
 
 # --- the plan ----------------------------------------------------------------------------------
@@ -242,8 +259,12 @@ class PlanResult:
         if cfg.moe_capacity_factor <= 0:
             hints.append(f"a MoE capacity factor (--config.model.moe_capacity_factor=1.25): dropless routing keeps "
                          f"a worst-case row space, {act.moe_buffers_per_layer / GiB:.2f} GiB per MoE layer")
-        if cfg.attention_impl == "xla":
-            hints.append("flash attention (--config.model.attention_impl=cudnn) instead of [s, s] score matrices")
+        if cfg.attention_impl in ("xla", "dot_product"):
+            hints.append("blockwise attention (--config.model.attention_impl=blockwise; cudnn on GPUs) instead of "
+                         "[s, s] score matrices")
+        if micro_batch_tokens := self.micro_batch * self.seq_len // self.mesh.get("context", 1):
+            hints.append(f"a larger mesh.context (now {self.mesh.get('context', 1)}, {micro_batch_tokens} tokens "
+                         "per device) to split each sequence's activations over more devices")
         return (f"DOES NOT FIT: needs {need:.2f} GiB per device, the device has {have:.2f} GiB "
                 f"(short by {need - have:.2f} GiB). Try: " + "; ".join(hints) + ".")
 
@@ -251,8 +272,10 @@ class PlanResult:
         c, n, cfg, act = self.counts, self.devices, self.cfg, self.activations
         mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items())
         routing = f"capacity factor {cfg.moe_capacity_factor}" if cfg.moe_capacity_factor > 0 else "dropless"
-        batch = (f"batch: micro-batch {self.micro_batch} x {self.seq_len} = {self.micro_batch * self.seq_len} tokens "
-                 f"per device; {self.micro_batch * self.data_parallel} sequences per micro-step over "
+        context = self.mesh.get("context", 1)
+        split = f" / context {context}" if context > 1 else ""
+        batch = (f"batch: micro-batch {self.micro_batch} x {self.seq_len}{split} = "
+                 f"{self.micro_batch * self.seq_len // context} tokens per device; {self.micro_batch * self.data_parallel} sequences per micro-step over "
                  f"{self.data_parallel} batch shards (data x expert)")
         if self.global_batch is not None:
             steps = self.global_batch // (self.micro_batch * self.data_parallel)
@@ -311,6 +334,7 @@ def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None
     sharding.validate_mesh(sizes, cfg, global_batch)
     if micro_batch < 1 or seq_len < 1:
         raise cli.InputError(f"--micro-batch={micro_batch} and --seq-len={seq_len} must be >= 1")
+    sharding.check_context_split(seq_len, sizes["context"], "--seq-len")
     remat = cfg.remat if remat is None else remat
     data_parallel = math.prod(sizes[a] for a in sharding.mesh_axes("batch"))
     if global_batch is not None and global_batch % (micro_batch * data_parallel):

@@ -144,8 +144,9 @@ def _steps(cfg: ModelConfig, mesh, tx, step_cfg: StepConfig, lr_schedule):
             make_eval_step(graphdef, cfg, step_cfg.loss))
 
 
-def _check_batches(curriculum: Curriculum, accum: int, batch_shards: int) -> None:
+def _check_batches(curriculum: Curriculum, accum: int, batch_shards: int, context: int) -> None:
     for p in curriculum.phases:
+        sharding.check_context_split(p.seq_len, context, f"data.phases.{p.name}.seq_len")
         unit = p.rows_unit
         if unit % accum or (unit // accum) % batch_shards:
             raise InputError(
@@ -158,7 +159,7 @@ def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
     """Mesh -> model -> optimizer -> train state (nothing compiled, no data read yet)."""
     accum = cfg.train.accum_steps
     sizes = sharding.mesh_shape(cfg.mesh.sizes(), len(devices) if devices is not None else jax.device_count())
-    _check_batches(cfg.data.curriculum, accum, sizes["data"] * sizes["expert"])
+    _check_batches(cfg.data.curriculum, accum, sizes["data"] * sizes["expert"], sizes["context"])
     first = cfg.data.curriculum.phases[0]
     mesh = sharding.make_mesh(cfg.mesh.sizes(), devices, cfg=cfg.model, global_batch=first.rows_unit // accum)
     _, params, buffers = init_model(cfg.model, mesh, cfg.train.seed)

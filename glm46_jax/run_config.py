@@ -131,6 +131,7 @@ class MeshConfig:
     tensor: int = 1
     expert: int = 1
     pipeline: int = 1
+    context: int = 1
 
     def __post_init__(self):
         sizes = self.sizes()

@@ -177,6 +177,7 @@ def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
     if sft.global_batch % accum or (sft.global_batch // accum) % shards:
         raise InputError(f"sft.global_batch={sft.global_batch} must split into train.accum_steps={accum} "
                          f"micro-batches of a multiple of {shards} rows (the mesh's data x expert devices)")
+    sharding.check_context_split(sft.seq_len, sizes["context"], "sft.seq_len")
     sft_loader.read_sft_metadata(sft.root)  # a missing or foreign dataset fails here, naming the path
     mesh = sharding.make_mesh(cfg.mesh.sizes(), devices, cfg=cfg.model, global_batch=sft.global_batch // accum)
     graphdef = abstract_model(cfg.model, mesh)[0]

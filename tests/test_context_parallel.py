@@ -3,6 +3,7 @@ training loss, its metrics, logits and every gradient of a 2K-token packed batch
 (with data / tensor / expert) against the single-device model; config errors."""
 
 import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -147,3 +148,88 @@ def test_sequence_must_split_into_two_chunks_per_context_shard():
     with pytest.raises(InputError, match=r"data.phases.long.seq_len=1000 is not a multiple of 2 x mesh.context = 16"):
         sharding.check_context_split(1000, 8, "data.phases.long.seq_len")
     sharding.check_context_split(1024, 8, "data.phases.long.seq_len")
+
+
+# --- a long phase trains and resumes on context shards -------------------------------------------------------
+
+def _curriculum_config(run_dir: str, corpus: str, steps: int):
+    """The tiny preset on data 2 x context 4: 4 steps of 2 x 64 rows, then 3 steps of 2 x 4096 best-fit rows at
+    RoPE 1e6 (documents of the sample corpus packed across every chunk boundary)."""
+    from test_train import load_config
+
+    config = load_config("tiny")
+    config.run_dir, config.data.root = run_dir, corpus
+    config.mesh = {"data": 2, "context": 4}
+    config.model.attention_impl = "blockwise"
+    config.data.phases.general.update(tokens=4 * 2 * 64, seq_len=64, global_batch=2)
+    config.data.phases.code_long.update(tokens=3 * 2 * 4096, seq_len=4096, global_batch=2)
+    config.train.update(steps=steps, log_every=1, eval_every=100, eval_batches=1)
+    config.checkpoint.update(every=2, async_save=False)
+    config.optim.update(warmup_steps=2, decay_steps=7)  # the same schedule for the interrupted run
+    return config
+
+
+@pytest.mark.slow
+def test_long_phase_on_context_shards_trains_and_resumes_exactly(tmp_path, sample_corpus):
+    import json
+
+    from glm46_jax.run_config import from_config_dict
+    from glm46_jax.train import train
+
+    def losses(run_dir):
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return {r["step"]: r["train/loss"] for r in map(json.loads, f) if "train/loss" in r}
+
+    devices = jax.devices()[:8]
+    whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+    state, summary = train(from_config_dict(_curriculum_config(whole, sample_corpus, 7)), devices)
+    assert summary["phases"] == ["general", "code_long"] and int(state.step) == 7
+    want = losses(whole)
+    assert all(np.isfinite(v) for v in want.values()) and sorted(want) == list(range(1, 8))
+    # The same run stopped after the short phase (a checkpoint at step 4), then resumed (resume=auto) into the 4K one.
+    train(from_config_dict(_curriculum_config(split, sample_corpus, 4)), devices)
+    resumed_state, resumed = train(from_config_dict(_curriculum_config(split, sample_corpus, 7)), devices)
+    assert resumed["start_step"] == 5
+    assert losses(split) == want  # bit-identical losses, the 4K steps included
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(state.params), jax.tree.leaves(resumed_state.params)):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(path))
+
+
+# --- the plan tool -------------------------------------------------------------------------------------------
+
+def test_plan_attention_memory_by_implementation_and_context():
+    from glm46_jax import plan as plan_lib
+
+    cfg = dataclasses.replace(TINY, remat="none", num_nextn_predict_layers=0, attention_block_q=64,
+                              attention_block_kv=32)
+    mesh = {"data": 1, "tensor": 2, "expert": 1, "pipeline": 1, "context": 1}
+    seq, a = 1024, 4  # fp32 activations
+    heads, kv = 8 // 2, 4 // 2 * 16  # local query heads, local kv heads x head_dim
+    layers = cfg.num_hidden_layers
+
+    def est(impl, context=1):
+        return plan_lib.activation_estimate(dataclasses.replace(cfg, attention_impl=impl),
+                                            {**mesh, "context": context}, 1, seq)
+
+    xla, cudnn, blockwise = est("xla"), est("cudnn"), est("blockwise")
+    # Per token and layer: xla holds a row of [s, s] scores (fp32 scores and softmax, probs in a) per head;
+    # cudnn an fp32 log-sum-exp per head; blockwise that plus the fp32 dK/dV accumulators.
+    assert xla.saved_layers - cudnn.saved_layers == seq * layers * heads * (seq * (8 + a) - 4)
+    assert blockwise.saved_layers - cudnn.saved_layers == seq * layers * 2 * kv * 4
+    assert blockwise.recompute - cudnn.recompute == heads * 64 * 32 * (8 + a)  # one score tile per head
+    # Context 4: a quarter of the tokens per device, each also holding the K/V gathered from 3 other shards.
+    c4 = est("blockwise", 4)
+    assert c4.logits * 4 == blockwise.logits == seq * (-(-cfg.vocab_size // 2)) * (a + 8)
+    assert c4.saved_layers * 4 == blockwise.saved_layers + seq * layers * 3 * 2 * kv * a
+
+
+def test_plan_fits_glm45_32k_and_128k_on_2048_h100s_with_the_preset_mesh(capsys):
+    from glm46_jax import plan as plan_lib
+
+    config = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "pretrain.py")
+    for seq in (32768, 131072):
+        r = plan_lib.main([f"--config={config}:glm45", "--devices=2048", f"--seq-len={seq}", "--device-memory=80GB"])
+        assert r.mesh == {"data": 16, "tensor": 8, "expert": 2, "pipeline": 1, "context": 8} and r.fits, r.report()
+    assert "131072 / context 8 = 16384 tokens per device" in capsys.readouterr().out
+    with pytest.raises(InputError, match=r"--seq-len=1000 is not a multiple of 2 x mesh.context = 16"):
+        plan_lib.main([f"--config={config}:glm45", "--devices=2048", "--seq-len=1000"])

@@ -28,6 +28,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("seq", "context"),
     # The MoE shard_map's flattened (batch x seq) token axis: a sequence's context shards are more token shards.
     ("tokens", ("data", "expert", "context")),
+    ("cache_slots", None),  # KV-cache slots: generation keeps a sequence whole
     ("act_embed", None),
     ("layers", None),
     ("vocab", "tensor"),

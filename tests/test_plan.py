@@ -186,7 +186,7 @@ def test_cli(capsys):
     r = plan_lib.main([f"--config={CONFIG}:glm45", "--mesh=data=4,tensor=8,expert=8,pipeline=1",
                        "--device-memory=80GiB", "--micro-batch=1", "--seq-len=4096", "--remat=full"])
     out = capsys.readouterr().out
-    assert r.mesh == MESH_256 and r.remat == "full" and r.seq_len == 4096
+    assert r.mesh == {**MESH_256, "context": 1} and r.remat == "full" and r.seq_len == 4096
     assert "355.23B total / 32.48B active" in out and "232.28 GFLOP" in out
     assert "global batch 4096 = 128 accumulation steps" in out
     assert ("FITS: " if r.fits else "DOES NOT FIT") in out
@@ -194,7 +194,7 @@ def test_cli(capsys):
     r = plan_lib.main([f"--config={CONFIG}:glm45", "--mesh=data=-1,tensor=8,expert=32", "--devices=8192",
                        "--device-memory=8GiB", "--config.model.moe_capacity_factor=1.25"])
     out = capsys.readouterr().out
-    assert r.mesh == MESH_8192 and r.fits is False and r.cfg.moe_capacity_factor == 1.25
+    assert r.mesh == {**MESH_8192, "context": 1} and r.fits is False and r.cfg.moe_capacity_factor == 1.25
     assert "DOES NOT FIT" in out and "short by" in out
     with pytest.raises(ValueError, match="n_routed_experts"):
         plan_lib.main([f"--config={CONFIG}:glm45", "--mesh=data=4,tensor=8,expert=6"])

@@ -48,8 +48,9 @@ def self_attention_mask(cfg: ModelConfig, segment_ids: Int[Array, "b s"] | None,
     return attention_mask(segment_ids, seq_len)
 
 
-# Laid out like the k/v activations (batch over data x expert, kv heads over tensor), one slice per layer.
-CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
+# Laid out like the k/v activations (batch over data x expert, kv heads over tensor), one slice per layer; the
+# slots whole (generation does not split a sequence over `context`).
+CACHE_AXES = ("layers", "batch", "cache_slots", "kv_heads", "head_dim")
 
 
 @struct.dataclass

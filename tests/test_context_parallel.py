@@ -16,7 +16,7 @@ from glm46_jax.data import loader
 from glm46_jax.loss import LossConfig, loss_fn
 from glm46_jax.model import abstract_model, apply, init_model
 
-SEQ, ROWS = 2048, 4
+SEQ, ROWS = 2048, 2
 # 1 dense + 1 MoE layer + MTP, dropless (capacity drops depend on token order, so only dropless is order-free).
 CFG = dataclasses.replace(TINY, vocab_size=128, num_hidden_layers=2, attention_impl="blockwise",
                           attention_block_q=128, attention_block_kv=128)

@@ -262,8 +262,9 @@ class PlanResult:
         if cfg.attention_impl in ("xla", "dot_product"):
             hints.append("blockwise attention (--config.model.attention_impl=blockwise; cudnn on GPUs) instead of "
                          "[s, s] score matrices")
-        if micro_batch_tokens := self.micro_batch * self.seq_len // self.mesh.get("context", 1):
-            hints.append(f"a larger mesh.context (now {self.mesh.get('context', 1)}, {micro_batch_tokens} tokens "
+        if cfg.attention_impl == "blockwise":
+            context = self.mesh.get("context", 1)
+            hints.append(f"a larger mesh.context (now {context}, {self.micro_batch * self.seq_len // context} tokens "
                          "per device) to split each sequence's activations over more devices")
         return (f"DOES NOT FIT: needs {need:.2f} GiB per device, the device has {have:.2f} GiB "
                 f"(short by {need - have:.2f} GiB). Try: " + "; ".join(hints) + ".")
@@ -275,8 +276,9 @@ class PlanResult:
         context = self.mesh.get("context", 1)
         split = f" / context {context}" if context > 1 else ""
         batch = (f"batch: micro-batch {self.micro_batch} x {self.seq_len}{split} = "
-                 f"{self.micro_batch * self.seq_len // context} tokens per device; {self.micro_batch * self.data_parallel} sequences per micro-step over "
-                 f"{self.data_parallel} batch shards (data x expert)")
+                 f"{self.micro_batch * self.seq_len // context} tokens per device; "
+                 f"{self.micro_batch * self.data_parallel} sequences per micro-step over {self.data_parallel} batch "
+                 "shards (data x expert)")
         if self.global_batch is not None:
             steps = self.global_batch // (self.micro_batch * self.data_parallel)
             batch += f"; global batch {self.global_batch} = {steps} accumulation steps"

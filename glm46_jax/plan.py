@@ -119,7 +119,7 @@ def activation_estimate(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_b
     q = ceil(nh/tp)*hd, kv = ceil(nkv/tp)*hd, f = ceil(I/tp), fs = ceil(Im*n_shared/tp), a layer holds
       attention  a * (2H norm + 3*(q + 2 kv) projections/bias/qk-norm/rope + q + H out)
                  + [s, s] scores of ceil(nh/tp) heads: fp32 scores, fp32 softmax and probs in a,
-                   (8 + a) bytes each (only an fp32 log-sum-exp with attention_impl="cudnn", flash)
+                   (8 + a) bytes each (only an fp32 log-sum-exp with attention_impl "cudnn" or "blockwise")
       dense FFN  a * (2H norm + 3f + H)
       MoE        a * (2H norm + 3 fs + H shared + H routed) + fp32 router logits/scores (8E)
                  + fp32 combine (4H) + the routed buffers of `_moe_buffers_per_token`
@@ -150,7 +150,8 @@ def activation_estimate(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_b
     fs = -(-cfg.shared_intermediate_size // tp)
     routed = _moe_buffers_per_token(cfg, mesh_sizes, a)
 
-    scores = heads * 4 if cfg.attention_impl == "cudnn" else heads * seq_len * (8 + a)
+    # cudnn (flash) and blockwise keep one fp32 log-sum-exp per row and head; their block tiles are transient.
+    scores = heads * 4 if cfg.attention_impl in ("cudnn", "blockwise") else heads * seq_len * (8 + a)
     attn = a * (2 * h + 3 * (q + 2 * kv) + q + h) + scores
     dense = a * (2 * h + 3 * f + h)
     moe = a * (2 * h + 3 * fs + 2 * h) + 8 * e + 4 * h + routed
@@ -243,7 +244,8 @@ class PlanResult:
             hints.append(f"a MoE capacity factor (--config.model.moe_capacity_factor=1.25): dropless routing keeps "
                          f"a worst-case row space, {act.moe_buffers_per_layer / GiB:.2f} GiB per MoE layer")
         if cfg.attention_impl == "xla":
-            hints.append("flash attention (--config.model.attention_impl=cudnn) instead of [s, s] score matrices")
+            hints.append("memory-efficient attention (--config.model.attention_impl=blockwise, or cudnn on GPUs) "
+                         "instead of [s, s] score matrices")
         return (f"DOES NOT FIT: needs {need:.2f} GiB per device, the device has {have:.2f} GiB "
                 f"(short by {need - have:.2f} GiB). Try: " + "; ".join(hints) + ".")
 

@@ -41,7 +41,8 @@ def init_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None,
 def _init_key(cfg: ModelConfig) -> ModelConfig:
     # Runtime fields do not change the parameters: share one compiled init between them.
     return dataclasses.replace(cfg, dtype="float32", attention_impl="xla", remat="none", moe_capacity_factor=0.0,
-                               moe_dispatch="allgather")
+                               moe_dispatch="allgather", attention_block_q=128, attention_block_kv=128,
+                               moe_block_size=128)
 
 
 @functools.lru_cache(maxsize=16)

@@ -16,6 +16,7 @@ all-reduce. With the vocab unsharded it is a gather. The backward is hand-writte
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -49,12 +50,24 @@ def nll_and_lse(logits: Float[Array, "*b v"], labels: Int[Array, "*b"]
 
 
 def _labels_like(logits, labels):
-    """`labels` on the logits' (batch, seq) layout, and whether the logits' vocab axis is sharded."""
+    """`labels` on the logits' (batch, seq) layout, and whether the logits' vocab axis is split over devices."""
     layout = jax.typeof(logits).sharding
     if layout.mesh.empty:
         return labels, False
     spec = tuple(layout.spec) + (None,) * (logits.ndim - len(layout.spec))
-    return jax.sharding.reshard(labels, layout.update(spec=jax.P(*spec[:-1]))), spec[-1] is not None
+    vocab_axes = spec[-1] if isinstance(spec[-1], tuple) else (spec[-1],) if spec[-1] else ()
+    shards = math.prod(layout.mesh.shape[a] for a in vocab_axes)
+    return jax.sharding.reshard(labels, layout.update(spec=jax.P(*spec[:-1]))), shards > 1
+
+
+def _vocab_replicated(logits):
+    """`logits` with the vocab axis typed unsharded: a no-op on the data when its mesh axes have size 1, and
+    what lets `take_along_axis` type its gather in Explicit mode."""
+    layout = jax.typeof(logits).sharding
+    if layout.mesh.empty:
+        return logits
+    spec = tuple(layout.spec) + (None,) * (logits.ndim - len(layout.spec))
+    return jax.sharding.reshard(logits, layout.update(spec=jax.P(*spec[:-1], None)))
 
 
 def _is_label(logits, labels):
@@ -69,7 +82,7 @@ def _label_logit(logits, labels):
     if vocab_sharded:  # a gather along a sharded axis is ambiguous in Explicit mode: a masked sum per shard
         return jnp.sum(jnp.where(_is_label(logits, labels), logits, 0.0), axis=-1)
     # XLA:CPU materialises the masked [b, s, vocab] select before reducing it; a gather reads b*s values.
-    return jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    return jnp.take_along_axis(_vocab_replicated(logits), labels[..., None], axis=-1)[..., 0]
 
 
 # A custom VJP: autodiff of lse - sum(logits * one_hot) keeps a float one-hot [b, s, vocab] as a residual and

@@ -67,7 +67,8 @@ def test_cached_logits_equal_full_forward_every_step(which, request, mesh1):
         for i in range(steps + 1):
             logits = np.asarray(logits)
             for row, seq in enumerate(seqs):
-                np.testing.assert_allclose(logits[row], _full_logits(model, mesh1, seq), atol=1e-5, rtol=0,
+                # 2e-5: jax 0.11's XLA:CPU (the lowest supported) rounds one logit ~2.7 to 1.03e-5 here.
+                np.testing.assert_allclose(logits[row], _full_logits(model, mesh1, seq), atol=2e-5, rtol=0,
                                            err_msg=f"row {row} step {i}")
             if i == steps:
                 break

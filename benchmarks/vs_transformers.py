@@ -19,8 +19,9 @@ top-4 + 1 shared, expert width 128, dense width 768, vocab 8192, no MTP), fp32, 
     optimizer), "cf1.25" = Muon with capacity factor 1.25 (drops tokens; not the goal's row). The glm46_jax step also
     does the sequence aux loss (1e-4) and loss-free balancing, which HF's does not: <1% of the FLOPs.
 
-Both run in this process tree one after the other, never at the same time, on all of the host's cores (torch:
-`torch.set_num_threads(os.cpu_count())`; XLA:CPU's default thread pool). Each round times every system in turn
+Both run in this process tree one after the other, never at the same time, on the same cores: all of the host's, or
+the first `--cores N` (CPU affinity set before either starts; torch gets that many threads, XLA:CPU sizes its pool
+from the affinity). Each round times every system in turn
 (HF first), so background load on a shared machine hits all of them; a ratio is taken within a round and the
 median over rounds is reported. glm46_jax recompiles in every round (bench() builds the step anew); compile time
 is not in the step time. Prints a table, markdown rows to paste into benchmarks/RESULTS.md, and one JSON line.
@@ -66,8 +67,7 @@ def hf_worker() -> None:
     import torch
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-    threads = os.cpu_count() or 1
-    torch.set_num_threads(threads)
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
     torch.manual_seed(0)
     model = Glm4MoeForCausalLM(Glm4MoeConfig(**ANCHOR, dtype="float32")).train()
     cfg = model.config
@@ -173,6 +173,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps per system per round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per system per round (after compile)")
     p.add_argument("--variants", default="muon,adamw", help=f"glm46_jax variants, from {sorted(VARIANTS)}")
+    p.add_argument("--cores", type=int, default=0,
+                   help="pin both systems to the first N cores (0 = all); 1 avoids torch's OpenMP threads spinning "
+                        "against other tenants' jobs on a shared machine")
     p.add_argument("--hf-python", default=os.path.join(ROOT, ".venv-hf", "bin", "python"))
     p.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -183,6 +186,10 @@ def main() -> None:
     if bad or not variants or args.rounds < 1 or args.steps < 1 or args.warmup < 0:
         sys.exit(f"error: --variants must name some of {sorted(VARIANTS)} (got {bad or args.variants!r}); "
                  "--rounds and --steps >= 1, --warmup >= 0")
+
+    if args.cores:  # before jax or the HF worker start: XLA's thread pool and torch size themselves from it
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])
+    cores = len(os.sched_getaffinity(0))
 
     import jax
 
@@ -223,23 +230,25 @@ def main() -> None:
                      "loss": jax_rounds[v][-1]["final_loss"]})
 
     dev = jax.devices()[0]
-    facts = {"date": time.strftime("%Y-%m-%d"), "commit": git_commit(), "host": platform.processor() or
-             platform.machine(), "cpu_count": os.cpu_count(), "jax": jax.__version__, "jax_device": str(dev.device_kind),
+    facts = {"date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
+             "host": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), "cores_used": cores,
+             "jax": jax.__version__, "jax_device": str(dev.device_kind),
              "hf_threads": hf.info["threads"], "load_avg_before": load_before, "load_avg_after": load_after,
              "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "tokens_per_step": tokens,
              "hf_params": hf.info["params"]}
     width = max(len(r["system"]) for r in rows)
     print(f"\nanchor: {BATCH} x {SEQ} tokens/step, fp32; {args.rounds} rounds x {args.steps} steps; "
-          f"load avg {load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} cores")
+          f"load avg {load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} cores, {cores} used")
     print(f"{'system':<{width}}  {'tokens/s':>9}  {'step ms':>8}  {'vs HF':>6}  per round")
     for r in rows:
         print(f"{r['system']:<{width}}  {r['tokens_per_s']:>9,.0f}  {r['step_ms']:>8.1f}  {r['ratio']:>5.2f}x  "
               + " ".join(f"{t:,.0f}" for t in r["per_round"]))
     print("\nmarkdown:\n")
-    print(f"Device: {os.cpu_count()}-core {facts['host']} CPU, shared (load average {load_before[0]:.1f} -> "
-          f"{load_after[0]:.1f}); commit {facts['commit']}; jax {facts['jax']}; command `.venv/bin/python "
-          f"benchmarks/vs_transformers.py --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup} "
-          f"--variants {','.join(variants)}`. Median over rounds; `vs HF` is the median of per-round ratios.\n")
+    print(f"Device: {os.cpu_count()}-core {facts['host']} CPU ({cores} used by each system), shared (load average "
+          f"{load_before[0]:.1f} -> {load_after[0]:.1f}); commit {facts['commit']}; jax {facts['jax']}; command "
+          f"`.venv/bin/python benchmarks/vs_transformers.py --rounds {args.rounds} --steps {args.steps} "
+          f"--warmup {args.warmup} --variants {','.join(variants)} --cores {args.cores}`. Median over rounds; "
+          "`vs HF` is the median of per-round ratios.\n")
     print("| system | tokens/s | step (ms) | vs HF | tokens/s per round |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['system']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.0f} | {r['ratio']:.2f}x | "

@@ -36,7 +36,8 @@ def np_nll(logits, labels):
 
 
 def np_nll_grad(logits, labels, g_nll, g_lse):
-    """float64 d/d logits of sum(g_nll * nll + g_lse * logsumexp(logits)): softmax * (g_nll + g_lse) - onehot * g_nll."""
+    """float64 d/d logits of sum(g_nll * nll + g_lse * logsumexp(logits)):
+    softmax * (g_nll + g_lse) - onehot * g_nll."""
     z = logits.astype(np.float64)
     p = np.exp(z - z.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)

@@ -71,9 +71,13 @@ def defaults(platform: str) -> dict[str, Any]:
     """The GPU run (issue 16: small, bf16, cuDNN, dropless) or the CPU fallback (tiny, fp32, XLA attention)."""
     if platform == "cpu":
         return {"preset": "tiny", "dtype": "float32", "attention": "xla", "batch": 2, "seq_len": 32, "steps": 2,
-                "warmup": 1, "profile_steps": 1, "moe_repeats": 2, "matmul_sizes": (512,), "matmul_dtype": "float32"}
+                "warmup": 1, "profile_steps": 1, "moe_repeats": 2, "matmul_sizes": (512,), "matmul_dtype": "float32",
+                "moe_block": 128, "moe_blocks": "128"}
     return {"preset": "small", "dtype": "bfloat16", "attention": "auto", "batch": 8, "seq_len": 4096, "steps": 10,
-            "warmup": 2, "profile_steps": 2, "moe_repeats": 10, "matmul_sizes": (8192,), "matmul_dtype": "bfloat16"}
+            "warmup": 2, "profile_steps": 2, "moe_repeats": 10, "matmul_sizes": (8192,), "matmul_dtype": "bfloat16",
+            # Dropless rows per block: 128 measured best on CPU; on a GPU a block is one kernel launch per matmul,
+            # so larger blocks are likely better. Unmeasured: the MoE section sweeps --moe-blocks to find out.
+            "moe_block": 512, "moe_blocks": "128,256,512,1024"}
 
 
 def cudnn_attention_works(cfg, device: jax.Device) -> tuple[bool, str]:
@@ -101,6 +105,7 @@ def run_config_for(args, batch: int):
     config.model.dtype = args.dtype
     config.model.attention_impl = args.attention
     config.model.moe_capacity_factor = 0.0  # dropless, as GLM-4.5 trains
+    config.model.moe_block_size = args.moe_block
     if args.remat:
         config.model.remat = args.remat
     config.train.accum_steps = 1
@@ -228,9 +233,11 @@ def profile_step(cfg, device, steps: int, trace_dir: str, top: int) -> dict[str,
 # --- MoE layer alone -----------------------------------------------------------------------------------------
 
 
-def moe_vs_dense(model_cfg, device, batch: int, seq_len: int, repeats: int) -> dict[str, Any]:
+def moe_vs_dense(model_cfg, device, batch: int, seq_len: int, repeats: int,
+                 blocks: tuple[int, ...] = ()) -> dict[str, Any]:
     """Forward + backward (grad of <layer(x), g> w.r.t. x and every weight) of the model's MoE block and of one
-    SwiGLU FFN of width (k + shared) x expert width: the same matmul FLOPs per token, router aside."""
+    SwiGLU FFN of width (k + shared) x expert width: the same matmul FLOPs per token, router aside. `blocks`: also
+    time the MoE at these dropless block sizes (rows "moe block=<b>")."""
     c = model_cfg.replace(moe_capacity_factor=0.0)
     d, e, f, k, s = (c.hidden_size, c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok,
                      c.n_shared_experts)
@@ -243,6 +250,8 @@ def moe_vs_dense(model_cfg, device, batch: int, seq_len: int, repeats: int) -> d
     results: dict[str, Any] = {}
     with sharding.use_mesh(mesh):
         layers = {"moe": MoE(c, rngs=nnx.Rngs(0)), "dense": MLP(c, (k + s) * f, rngs=nnx.Rngs(0))}
+        layers.update({f"moe block={b}": MoE(c.replace(moe_block_size=b), rngs=nnx.Rngs(0))
+                       for b in blocks if b != c.moe_block_size})
         for name, layer in layers.items():
             graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
@@ -261,13 +270,13 @@ def moe_vs_dense(model_cfg, device, batch: int, seq_len: int, repeats: int) -> d
                 jax.block_until_ready(step(params, x, g))
                 times.append(time.perf_counter() - t0)
             # forward matmul FLOPs per token x 3 (backward = 2 x forward); the router's 2*d*E counted for MoE
-            fwd = 2 * 3 * d * (k + s) * f + (2 * d * e if name == "moe" else 0)
+            fwd = 2 * 3 * d * (k + s) * f + (2 * d * e if name.startswith("moe") else 0)
             ms = 1e3 * statistics.median(times)
             results[name] = {"median_ms": ms, "min_ms": 1e3 * min(times), "first_call_s": first,
                              "flops_per_token": 3 * fwd, "tflops": 3 * fwd * tokens / (ms / 1e3) / 1e12}
     results["moe_over_dense"] = results["moe"]["median_ms"] / results["dense"]["median_ms"]
     results["shapes"] = {"tokens": tokens, "d_model": d, "experts": e, "expert_ffn": f, "top_k": k, "shared": s,
-                         "dense_ffn": (k + s) * f, "dtype": c.dtype, "dispatch": "dropless"}
+                         "dense_ffn": (k + s) * f, "dtype": c.dtype, "dispatch": "dropless", "block": c.moe_block_size}
     return results
 
 
@@ -279,8 +288,9 @@ def main(argv=None) -> dict[str, Any]:
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "runs", "gpu_bench"))
     for name in ("preset", "dtype", "attention", "remat"):
         p.add_argument(f"--{name}", default=None)
-    for name in ("batch", "seq-len", "steps", "warmup", "profile-steps", "moe-repeats"):
+    for name in ("batch", "seq-len", "steps", "warmup", "profile-steps", "moe-repeats", "moe-block"):
         p.add_argument(f"--{name}", type=int, default=None)
+    p.add_argument("--moe-blocks", default=None, help="comma list of dropless block sizes the MoE section times")
     p.add_argument("--top", type=int, default=25, help="rows of each profile table")
     p.add_argument("--cpu", action="store_true", help="the CPU fallback even where a GPU is visible")
     p.add_argument("--skip", default="", help="comma list of sections to skip: profile,moe")
@@ -355,7 +365,8 @@ def main(argv=None) -> dict[str, Any]:
     if "moe" not in skip:
         log(f"MoE layer vs dense FFN: {batch} x {args.seq_len} tokens, fwd + bwd")
         try:
-            result["moe_vs_dense"] = moe_vs_dense(cfg.model, device, batch, args.seq_len, args.moe_repeats)
+            blocks = tuple(int(b) for b in args.moe_blocks.split(",") if b)
+            result["moe_vs_dense"] = moe_vs_dense(cfg.model, device, batch, args.seq_len, args.moe_repeats, blocks)
             log(f"  MoE / dense = {result['moe_vs_dense']['moe_over_dense']:.2f}")
         except Exception as err:  # noqa: BLE001
             result["errors"]["moe_vs_dense"] = f"{type(err).__name__}: {err}"
@@ -390,10 +401,12 @@ def markdown(r: dict[str, Any]) -> str:
         sh = m["shapes"]
         lines += ["", (f"MoE layer alone vs dense FFN ({sh['tokens']} tokens, d {sh['d_model']}, {sh['experts']} "
                        f"experts x {sh['expert_ffn']} top-{sh['top_k']} + {sh['shared']} shared; dense width "
-                       f"{sh['dense_ffn']}; {sh['dtype']}; fwd + bwd): **MoE / dense = {m['moe_over_dense']:.2f}**"),
+                       f"{sh['dense_ffn']}; {sh['dtype']}; dropless block {sh['block']}; fwd + bwd): "
+                       f"**MoE / dense = {m['moe_over_dense']:.2f}**"),
                   "",
                   "| layer | median ms | TFLOP/s |", "|---|---|---|"]
-        lines += [f"| {n} | {m[n]['median_ms']:.2f} | {m[n]['tflops']:.1f} |" for n in ("moe", "dense")]
+        names = ["moe", "dense"] + sorted((n for n in m if n.startswith("moe block=")), key=lambda n: int(n[10:]))
+        lines += [f"| {n} | {m[n]['median_ms']:.2f} | {m[n]['tflops']:.1f} |" for n in names]
     prof = r.get("profile")
     if prof and "by_scope" in prof:
         lines += ["", (f"Profile ({prof['source']}): {prof['op_ms_per_step']:.1f} ms of op time per step over "

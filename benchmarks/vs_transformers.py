@@ -57,6 +57,10 @@ VARIANTS = {  # name -> (label, optim overrides, model overrides)
     "muon": ("glm46_jax, Muon + AdamW (default), dropless", {}, {"moe_capacity_factor": 0.0}),
     "adamw": ("glm46_jax, AdamW, dropless", {"algorithm": "adamw"}, {"moe_capacity_factor": 0.0}),
     "cf1.25": ("glm46_jax, Muon + AdamW, capacity factor 1.25", {}, {"moe_capacity_factor": 1.25}),
+    "blockwise": ("glm46_jax, Muon + AdamW, dropless, blockwise attention", {},
+                  {"moe_capacity_factor": 0.0, "attention_impl": "blockwise"}),
+    "adamw_blockwise": ("glm46_jax, AdamW, dropless, blockwise attention", {"algorithm": "adamw"},
+                        {"moe_capacity_factor": 0.0, "attention_impl": "blockwise"}),
 }
 
 

@@ -47,7 +47,7 @@ def _jsonl(rows: list[dict[str, object]]) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 
 
-def write(out: str, seed: int = 0, heldout: int = 200, sft: int = 400) -> dict[str, int]:
+def write(out: str, seed: int = 0, heldout: int = 200, sft: int = 600) -> dict[str, int]:
     sft_set, train_set, heldout_set = split(seed, heldout, sft)
     os.makedirs(out, exist_ok=True)
     texts = [f"{a}+{b}={a + b}" for a, b in problems()]
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="data/rl_addition")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--heldout", type=int, default=200, help="held-out problems")
-    p.add_argument("--sft", type=int, default=400, help="problems in the SFT chats (the rest are RL prompts)")
+    p.add_argument("--sft", type=int, default=600, help="problems in the SFT chats (the rest are RL prompts)")
     args = p.parse_args(argv)
     counts = write(args.out, args.seed, args.heldout, args.sft)
     print(f"{counts['sft']} SFT chats, {counts['train']} RL prompts, {counts['heldout']} held-out -> {args.out}")

@@ -121,6 +121,8 @@ def train(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
 
 def _summary_lines(s: dict[str, Any]) -> str:
     held_out = format(s["eval/ce"], ".3f") if "eval/ce" in s else "n/a: no eval ran"
+    if "eval/accuracy" in s:  # an RL run's held-out metric
+        held_out = f"n/a; held-out accuracy {s['eval/accuracy']:.3f}"
     mfu = f"{s['mfu']:.1%} MFU vs {s['mfu_peak_source']}" if s["mfu"] else "MFU n/a"
     return (f"start loss {s['start_loss']:.3f} -> end loss {s['end_loss']:.3f} (next-token CE, nats/token; mean of "
             f"the last {s['end_window']} steps; total loss with MTP and aux: {s['start_total_loss']:.3f} -> "

@@ -103,8 +103,10 @@ runs/sft_rl_addition/status.json: $(RL_DATA)/sft/metadata.json
 
 rl: runs/sft_rl_addition/status.json
 	$(PY) -m glm46_jax.train --config=configs/grpo.py:tiny $(ARGS)
-	@$(PY) -c 'import json; r = json.load(open("runs/grpo_tiny/heldout.json")); \
-	  print(f"held-out exact-match accuracy: {r[\"start_accuracy\"]:.3f} before GRPO -> {r[\"end\"][\"accuracy\"]:.3f} after")'
+	@$(PY) -c 'import json; r = json.load(open("runs/grpo_tiny/heldout.json")); a, b, n = r["start_accuracy"], \
+	  r["end"]["accuracy"], r["problems"]; se = lambda p: (p * (1 - p) / n) ** 0.5; \
+	  print(f"held-out exact-match accuracy on {n} problems (greedy): {a:.3f} +- {se(a):.3f} before GRPO -> " \
+	        f"{b:.3f} +- {se(b):.3f} after ({b - a:+.3f})")'
 
 fixtures: $(VENV_HF)/.installed
 	$(PY_HF) tests/fixtures/make_hf_fixtures.py --out tests/fixtures

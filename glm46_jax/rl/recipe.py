@@ -275,6 +275,11 @@ class GRPO:
                       "pending": len(self.pending)}
         return StepInput(self.segment(), batch, controls, self.tokens_seen, data_state)
 
+    @property
+    def heldout_count(self) -> int:
+        """How many held-out prompts `evaluate` scores (the first ones of `rl.heldout`)."""
+        return min(len(self.heldout_ids), self.cfg.train.eval_batches * self.rl.eval_batch)
+
     def eval_batches(self, segment: Segment, count: int) -> dict[str, list[dict[str, np.ndarray]]]:
         """Chunks of held-out prompt indices (`rl.eval_batch` each, at most `count`)."""
         n = min(len(self.heldout_ids), count * self.rl.eval_batch)
@@ -286,7 +291,7 @@ class GRPO:
         if jax.process_index() == 0:
             atomic.write_json(os.path.join(run_dir, "heldout.json"),
                               {"start_accuracy": self.start_accuracy, "end": after, "steps": step,
-                               "rollouts": self.rollouts_done})
+                               "rollouts": self.rollouts_done, "problems": self.heldout_count})
         logging.info("held-out accuracy %s -> %.3f", "n/a" if self.start_accuracy is None else
                      f"{self.start_accuracy:.3f}", after["accuracy"])
         if self.frozen is None:

@@ -22,7 +22,7 @@ from glm46_jax.model.layers import ExpertBias
 from glm46_jax.model.transformer import GenerationCache, GLMMoE, ModelOutput
 
 __all__ = ["ExpertBias", "GLMMoE", "GenerationCache", "ModelOutput", "abstract_model", "apply", "apply_cached",
-           "init_model", "merge"]
+           "apply_cached_routed", "init_model", "merge"]
 
 
 def init_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None,
@@ -78,9 +78,10 @@ def merge(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State) -> GLMM
 
 def apply(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, tokens: Int[Array, "b s"],
           positions: Int[Array, "b s"] | None = None, segment_ids: Int[Array, "b s"] | None = None,
-          *, with_mtp: bool = True) -> ModelOutput:
-    """The pure forward pass: logits, final hidden state, MTP logits and router statistics."""
-    return merge(graphdef, params, buffers)(tokens, positions, segment_ids, with_mtp=with_mtp)
+          *, with_mtp: bool = True, expert_ids: Int[Array, "l b s k"] | None = None) -> ModelOutput:
+    """The pure forward pass: logits, final hidden state, MTP logits and router statistics.
+    `expert_ids`: replayed routing of the MoE layers (`GLMMoE.__call__`)."""
+    return merge(graphdef, params, buffers)(tokens, positions, segment_ids, with_mtp=with_mtp, expert_ids=expert_ids)
 
 
 def apply_cached(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, tokens: Int[Array, "b s"],
@@ -91,3 +92,11 @@ def apply_cached(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, 
     Writes the tokens' keys/values at cache slots [index, index + s); see `GLMMoE.forward_cached`.
     """
     return merge(graphdef, params, buffers).forward_cached(tokens, positions, cache, index, start)
+
+
+def apply_cached_routed(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, tokens: Int[Array, "b s"],
+                        positions: Int[Array, "b s"], cache: GenerationCache, index: Int[Array, ""] | int,
+                        start: Int[Array, "b"]) -> tuple[Array, GenerationCache, Array | None]:
+    """`apply_cached` and the experts each MoE layer chose for the new tokens [moe layers, b, s, k] (None when the
+    model has no MoE layers): what routing replay records while sampling."""
+    return merge(graphdef, params, buffers).forward_cached_routed(tokens, positions, cache, index, start)

@@ -21,13 +21,9 @@ from glm46_jax.model.layers import MLP, ExpertBias, param
 from glm46_jax.sharding import constrain, logical, mesh_axes, weight
 
 
-def route(x: Float[Array, "n d"], w_router_de: Array, bias_e: Array,
-          cfg: ModelConfig) -> tuple[Int[Array, "n k"], Float[Array, "n k"], Float[Array, "n e"]]:
-    """DeepSeek-V3 "noaux_tc" routing as in HF Glm4MoeTopkRouter, all in fp32.
-
-    Returns the chosen experts, their combine weights, and the raw sigmoid scores.
-    The correction bias only chooses experts; the weights come from the unbiased scores.
-    """
+def choose_experts(x: Float[Array, "n d"], w_router_de: Array, bias_e: Array,
+                   cfg: ModelConfig) -> tuple[Int[Array, "n k"], Float[Array, "n e"]]:
+    """The router's own top-k choice and the raw sigmoid scores (fp32): `route` without the combine weights."""
     logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), w_router_de.astype(jnp.float32))
     scores = jax.nn.sigmoid(logits)
     choice = scores + jax.lax.stop_gradient(bias_e.astype(jnp.float32))
@@ -41,10 +37,31 @@ def route(x: Float[Array, "n d"], w_router_de: Array, bias_e: Array,
         # (docs/architecture.md#group-limited-top-k).
         choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(n, e)
     _, idx = jax.lax.top_k(jax.lax.stop_gradient(choice), cfg.num_experts_per_tok)
+    return idx, scores
+
+
+def combine_weights(scores: Float[Array, "n e"], idx: Int[Array, "n k"], cfg: ModelConfig) -> Float[Array, "n k"]:
+    """The chosen experts' combine weights, from the unbiased scores: the router's gradient path."""
     weights = jnp.take_along_axis(scores, idx, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return idx, weights * cfg.routed_scaling_factor, scores
+    return weights * cfg.routed_scaling_factor
+
+
+def route(x: Float[Array, "n d"], w_router_de: Array, bias_e: Array,
+          cfg: ModelConfig) -> tuple[Int[Array, "n k"], Float[Array, "n k"], Float[Array, "n e"]]:
+    """DeepSeek-V3 "noaux_tc" routing as in HF Glm4MoeTopkRouter, all in fp32.
+
+    Returns the chosen experts, their combine weights, and the raw sigmoid scores.
+    The correction bias only chooses experts; the weights come from the unbiased scores.
+    """
+    idx, scores = choose_experts(x, w_router_de, bias_e, cfg)
+    return idx, combine_weights(scores, idx, cfg), scores
+
+
+def replay_differs(natural: Int[Array, "n k"], replayed: Int[Array, "n k"]) -> Float[Array, "n"]:
+    """1.0 where the router's own expert set differs from the replayed one (order within the top-k ignored)."""
+    return jnp.any(jnp.sort(natural, axis=-1) != jnp.sort(replayed, axis=-1), axis=-1).astype(jnp.float32)
 
 
 @jax.named_scope("moe_dispatch")  # the shard_map and its collectives; "experts" inside is the local compute
@@ -156,12 +173,23 @@ class MoE(nnx.Module):
         self.shared_experts = MLP(cfg, cfg.shared_intermediate_size, rngs=rngs)
         self.cfg = cfg
 
-    def __call__(self, x: Float[Array, "b s d"]) -> tuple[Float[Array, "b s d"], dict[str, Array]]:
+    def __call__(self, x: Float[Array, "b s d"], expert_ids: Int[Array, "b s k"] | None = None
+                 ) -> tuple[Float[Array, "b s d"], dict[str, Array]]:
+        """`expert_ids` (routing replay, docs/rl.md#routing-replay): use these experts instead of the router's
+        choice; the router still scores every expert and its weights get gradients through the combine weights
+        gathered at the replayed ids. aux then also has "replay_differs" [b, s]: where its own choice differs."""
         cfg = self.cfg
         b, s, d = x.shape
         x_nd = x.reshape(b * s, d)
+        replay = {}
         with jax.named_scope("router"):
-            idx, weights, scores = route(x_nd, weight(self.router), self.e_score_correction_bias[...], cfg)
+            if expert_ids is None:
+                idx, weights, scores = route(x_nd, weight(self.router), self.e_score_correction_bias[...], cfg)
+            else:
+                natural, scores = choose_experts(x_nd, weight(self.router), self.e_score_correction_bias[...], cfg)
+                idx = expert_ids.reshape(b * s, -1).astype(jnp.int32)
+                weights = combine_weights(scores, idx, cfg)
+                replay = {"replay_differs": replay_differs(natural, idx).reshape(b, s)}
         routed, dropped, load = dispatch(
             x_nd, idx, weights, adapted(self, "gate_proj"), adapted(self, "up_proj"), adapted(self, "down_proj"), cfg)
         with jax.named_scope("shared_expert"):
@@ -173,5 +201,6 @@ class MoE(nnx.Module):
             "dropped_frac": dropped,
             "router_topk": idx.reshape(b, s, -1),
             "router_scores": scores.reshape(b, s, -1),
+            **replay,
         }
         return y, aux

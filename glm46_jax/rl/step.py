@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Float
 
-from glm46_jax.loss import _nll_and_lse
+from glm46_jax.loss import nll_and_lse
 from glm46_jax.model import apply
 from glm46_jax.rl import objective
 from glm46_jax.train_step import Bound, TrainState, with_frozen
@@ -48,7 +48,7 @@ def completion_logprobs(params: nnx.State, buffers: nnx.State, graphdef: nnx.Gra
         expert_ids = jnp.transpose(batch["expert_ids"], (2, 0, 1, 3))  # [layers, b, s, k], scanned per layer
     out = apply(graphdef, params, buffers, batch["inputs"], with_mtp=False, expert_ids=expert_ids)
     logits = out.logits[:, :-1].astype(jnp.float32) / temperature
-    nll, lse = _nll_and_lse(logits, batch["inputs"][:, 1:])  # no gather along the (sharded) vocab
+    nll, lse = nll_and_lse(logits, batch["inputs"][:, 1:])  # no gather along the (sharded) vocab
     entropy = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
     differs = out.aux["replay_differs"].mean(axis=0) if expert_ids is not None else None
     return -nll, entropy, differs

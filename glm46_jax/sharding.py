@@ -123,8 +123,10 @@ def validate_mesh(sizes: Mapping[str, int], cfg, global_batch: int | None = None
     # Parameters are FSDP-sharded over `data` through their model dimension.
     need(cfg.hidden_size, ("data",), "model.hidden_size", "choose a mesh.data that divides it")
     if global_batch is not None:
-        need(global_batch, mesh_axes("batch"), "train.global_batch",
-             "the batch is split over the data and expert axes; make it a multiple of their product")
+        # Outside the pipelined trunk the batch is split over `pipeline` too; named only when it is in use.
+        axes = tuple(a for a in mesh_axes("batch") if a != "pipeline" or sizes.get(a, 1) > 1)
+        need(global_batch, axes, "train.global_batch",
+             f"the batch is split over the {' and '.join(axes)} axes; make it a multiple of their product")
 
 
 def logical(*names: str | None) -> PartitionSpec:

@@ -7,6 +7,7 @@ local grouped matmul of `experts.py`.
 from __future__ import annotations
 
 import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx

@@ -15,8 +15,10 @@ to stage 0, which keeps it until that micro-batch's next repeat). The backward p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -138,6 +140,61 @@ def to_layers(tree, lay: Layout):
     return _convert(tree, lay, False)
 
 
+def stored_layout(tree, cfg: ModelConfig) -> Layout | None:
+    """The slot layout `tree`'s MoE stack is in (its arrays' mesh has `pipeline` > 1), or None (layer order)."""
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        sharding = getattr(x, "sharding", None)
+        if _in_stack(path) and isinstance(sharding, jax.NamedSharding):
+            stages = dict(sharding.mesh.shape).get("pipeline", 1)
+            return layout(cfg, stages) if stages > 1 else None
+    return None
+
+
+def in_layer_order(tree, cfg: ModelConfig):
+    """`tree` (arrays) with its MoE stack in layer order, as checkpoints store it; unchanged if it already is."""
+    lay = stored_layout(tree, cfg)
+    if lay is None:
+        return tree
+    with jax.set_mesh(_mesh_of(tree)):
+        return _jitted_to_layers(lay)(tree)
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_to_layers(lay: Layout):  # one compiled conversion per layout: every checkpoint save runs it
+    return jax.jit(functools.partial(to_layers, lay=lay))
+
+
+def layer_order_target(tree, cfg: ModelConfig):
+    """Abstract arrays (ShapeDtypeStructs) of `tree` in layer order: what to read a checkpoint into before
+    `placed_like` moves it into `tree`'s slot layout."""
+    lay = stored_layout(tree, cfg)
+    if lay is None:
+        return tree
+
+    def leaf(path, x):
+        if not _in_stack(path):
+            return x
+        spec = _without_pipeline(jax.P(None, *tuple(x.sharding.spec)[1:]))
+        return jax.ShapeDtypeStruct((lay.layers, *x.shape[1:]), x.dtype, sharding=jax.NamedSharding(x.sharding.mesh,
+                                                                                                     spec))
+    return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def placed_like(tree, target, cfg: ModelConfig):
+    """`tree` (layer order, as read from a checkpoint) in `target`'s layout and shardings."""
+    lay = stored_layout(target, cfg)
+    if lay is None:
+        return tree
+    shardings = jax.tree.map(lambda x: x.sharding, target)
+    with jax.set_mesh(_mesh_of(target)):
+        return jax.jit(lambda t: to_slots(t, lay), out_shardings=shardings)(tree)
+
+
+def _mesh_of(tree) -> jax.sharding.Mesh:
+    return next(x.sharding.mesh for x in jax.tree.leaves(tree) if isinstance(getattr(x, "sharding", None),
+                                                                         jax.NamedSharding))
+
+
 # --- the schedule ---------------------------------------------------------------------------------------
 
 def _batch_shards(a: Array) -> int:
@@ -151,25 +208,28 @@ def _batch_shards(a: Array) -> int:
 def _split(a: Array, m: int, axis: int = 0) -> Array:
     """[.., b, ..] -> [m, .., b / m, ..]: micro-batch i is block i of every batch shard's rows (no data moves)."""
     a = jnp.moveaxis(a, axis, 0)
-    spec = jax.typeof(a).sharding.spec
-    shards = _batch_shards(a)
-    b = a.shape[0]
-    a = a.reshape(shards, m, b // (shards * m), *a.shape[1:])
-    a = jnp.swapaxes(a, 0, 1).reshape(m, b // m, *a.shape[3:])
-    a = jax.sharding.reshard(a, jax.P(None, *spec))  # the rows keep their batch axes (a no-op but in name)
+    rows_spec, rest = _row_spec(a)
+    shards, b = _batch_shards(a), a.shape[0]
+    a = jnp.reshape(a, (shards, m, b // (shards * m), *a.shape[1:]), out_sharding=jax.P(rows_spec, None, None, *rest))
+    a = jnp.reshape(jnp.swapaxes(a, 0, 1), (m, b // m, *a.shape[3:]), out_sharding=jax.P(None, rows_spec, *rest))
     return jnp.moveaxis(a, 1, axis + 1)
 
 
 def _merge(a: Array, axis: int = 0) -> Array:
     """The inverse of `_split`: [m, .., b / m, ..] (micro-batch axis first) -> [.., b, ..]."""
     a = jnp.moveaxis(a, axis + 1, 1)
-    spec = jax.typeof(a).sharding.spec
+    rows_spec, rest = _row_spec(a[0])
     m, rows = a.shape[:2]
     shards = _batch_shards(a[0])
-    a = a.reshape(m, shards, rows // shards, *a.shape[2:])
-    a = jnp.swapaxes(a, 0, 1).reshape(m * rows, *a.shape[3:])
-    a = jax.sharding.reshard(a, jax.P(*spec[1:]))
+    a = jnp.reshape(a, (m, shards, rows // shards, *a.shape[2:]), out_sharding=jax.P(None, rows_spec, None, *rest))
+    a = jnp.reshape(jnp.swapaxes(a, 0, 1), (m * rows, *a.shape[3:]), out_sharding=jax.P(rows_spec, *rest))
     return jnp.moveaxis(a, 0, axis)
+
+
+def _row_spec(a: Array):
+    """(the batch axes of a's leading dimension, the specs of the others)."""
+    spec = tuple(jax.typeof(a).sharding.spec) + (None,) * a.ndim
+    return spec[0], spec[1:a.ndim]
 
 
 def _split_mask(mask, b: int, m: int):
@@ -215,7 +275,7 @@ def run(state, x: Float[Array, "b s d"], cos: Array, sin: Array, mask, cfg: Mode
 
     def stage_body(state, x, cos, sin, mask):
         stage = jax.lax.axis_index("pipeline")
-        vary = lambda a: jax.lax.pcast(a, ("pipeline",), to="varying")  # noqa: E731
+        vary = lambda a: jax.lax.pcast(a, ("pipeline",), to="varying")
         inputs, cos_m, sin_m = (_split(a, m) for a in (x, cos, sin))
         mask_m, mask_at = _split_mask(mask, b, m)
 

@@ -10,9 +10,9 @@ from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
 from glm46_jax.config import ModelConfig
+from glm46_jax.model import pipeline
 from glm46_jax.model.attention import Attention, KVCache, cache_mask, self_attention_mask
 from glm46_jax.model.layers import MLP, RMSNorm, param, rope_cos_sin
-from glm46_jax.model import pipeline
 from glm46_jax.model.moe import MoE
 from glm46_jax.sharding import logical, weight
 

@@ -140,6 +140,19 @@ def to_layers(tree, lay: Layout):
     return _convert(tree, lay, False)
 
 
+def in_stored_order(load: Array, cfg: ModelConfig) -> Array:
+    """Per-layer MoE statistics ([layers, ...], layer order) in the order the stack is stored on the mesh in
+    context: what loss-free balancing steps the slot-ordered biases with (identity slots get zeros: no step)."""
+    stages = mesh_stages()
+    return load if stages == 1 else to_slots({STACK: load}, layout(cfg, stages))[STACK]
+
+
+def layer_ordered(tree, cfg: ModelConfig):
+    """`tree` stored for the mesh in context (traced, under jit) with its MoE stack in layer order."""
+    stages = mesh_stages()
+    return tree if stages == 1 else to_layers(tree, layout(cfg, stages))
+
+
 def stored_layout(tree, cfg: ModelConfig) -> Layout | None:
     """The slot layout `tree`'s MoE stack is in (its arrays' mesh has `pipeline` > 1), or None (layer order)."""
     for path, x in jax.tree_util.tree_leaves_with_path(tree):

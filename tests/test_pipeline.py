@@ -4,6 +4,8 @@ gradient, expert loads), a few train steps on (data 2, pipeline 2, expert 2) aga
 moving between pipeline=1 and pipeline=2."""
 
 import dataclasses
+import importlib.util
+import os
 
 import chex
 import jax
@@ -11,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm46_jax import checkpoint, sharding
+from glm46_jax import checkpoint, run_config, sharding
+from glm46_jax.cli import InputError
 from glm46_jax.config import get_preset
 from glm46_jax.loss import loss_fn
-from glm46_jax.model import apply, init_model, pipeline
+from glm46_jax.model import GenerationCache, apply, apply_cached, init_model, pipeline
 from glm46_jax.optim import OptimConfig, build_optimizer
 from glm46_jax.train_step import controls, init_state, make_train_step
 
@@ -216,3 +219,26 @@ def test_weights_saved_on_a_pipeline_mesh_load_anywhere(tmp_path):
     chex.assert_trees_all_close(_leaves(loaded), _leaves(init_model(cfg, one, 0)[1]))
     _, _, again, _ = checkpoint.load_params(path, mesh)
     chex.assert_trees_all_close(_leaves(again), _leaves(params))
+
+
+def _config_file(name: str, preset: str):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(f"{name}_config", os.path.join(root, "configs", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(preset)
+
+
+def test_unsupported_combinations_are_config_errors():
+    """Never silent replication: layer-wise lr decay with pipeline stages is refused in one line, generation on a
+    pipeline mesh with a clear error."""
+    config = _config_file("pretrain", "tiny")
+    config.mesh = {"data": -1, "pipeline": 2}
+    config.optim.layer_decay = 0.9
+    with pytest.raises(InputError, match=r"mesh.pipeline=2 with optim.layer_decay=0.9: .* set optim.layer_decay=1.0"):
+        run_config.from_config_dict(config)
+    one = sharding.make_mesh({"pipeline": 2, "data": 4}, cfg=TINY.replace(num_hidden_layers=3))
+    graphdef, params, buffers = init_model(TINY.replace(num_hidden_layers=3), one)
+    with sharding.use_mesh(one), pytest.raises(ValueError, match="generation runs the layers in order"):
+        apply_cached(graphdef, params, buffers, jnp.zeros((8, 1), jnp.int32), jnp.zeros((8, 1), jnp.int32),
+                     GenerationCache.zeros(TINY.replace(num_hidden_layers=3), 8, 4), 0, jnp.zeros(8, jnp.int32))

@@ -75,6 +75,7 @@ def abstract_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | jax.sharding.Abst
         def on_mesh(x):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.NamedSharding(mesh, x.sharding.spec))
         params, buffers = jax.tree.map(on_mesh, (params, buffers))
+    params, buffers = pipeline.with_stage_axis((params, buffers))
     return graphdef, params, buffers
 
 

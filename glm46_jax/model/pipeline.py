@@ -153,6 +153,18 @@ def layer_ordered(tree, cfg: ModelConfig):
     return tree if stages == 1 else to_layers(tree, layout(cfg, stages))
 
 
+def with_stage_axis(tree):
+    """Abstract arrays whose MoE stack's leading (slot) dimension is on `pipeline`, as its "stage_layers" name
+    says: `nnx.vmap` records the stacked axis' name but leaves that axis unsharded in the abstract array."""
+    def leaf(path, x):
+        mesh = x.sharding.mesh
+        if not _in_stack(path) or dict(mesh.shape).get("pipeline", 1) == 1:
+            return x
+        spec = jax.P("pipeline", *tuple(x.sharding.spec)[1:])
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.NamedSharding(mesh, spec))
+    return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
 def stored_layout(tree, cfg: ModelConfig) -> Layout | None:
     """The slot layout `tree`'s MoE stack is in (its arrays' mesh has `pipeline` > 1), or None (layer order)."""
     for path, x in jax.tree_util.tree_leaves_with_path(tree):

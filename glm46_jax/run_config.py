@@ -280,6 +280,15 @@ class RunConfig:
             raise InputError("recipe=sft needs a config.sft section (see configs/sft.py)")
         if self.recipe == "sft" and self.sft.method == "lora" and self.lora is None:
             raise InputError("sft.method=lora needs a config.lora section (rank, alpha, targets; see configs/sft.py)")
+        stages = self.mesh.sizes().get("pipeline", 1)
+        # Combinations the pipeline's slot-ordered MoE stack does not support (docs/pipeline.md#limits).
+        if stages > 1 and self.recipe == "sft" and self.sft.method == "lora":
+            raise InputError(f"mesh.pipeline={stages} with sft.method=lora: LoRA adapters are not built for the "
+                             "pipeline's layer layout; set mesh.pipeline=1 (or sft.method=full)")
+        if stages > 1 and self.optim.layer_decay != 1.0:
+            raise InputError(f"mesh.pipeline={stages} with optim.layer_decay={self.optim.layer_decay}: layer-wise lr "
+                             "decay counts depth in layer order, not the pipeline's slot order; set "
+                             "optim.layer_decay=1.0 or mesh.pipeline=1")
         metric = self.checkpoint.best_metric
         if self.checkpoint.keep_best and metric.count("/") > 1 and not self.train.eval_per_domain:
             raise InputError(f"checkpoint.best_metric={metric!r} is a per-domain metric, which only "

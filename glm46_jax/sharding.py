@@ -20,11 +20,14 @@ MESH_AXES = ("data", "tensor", "expert", "pipeline")
 
 # logical name -> mesh axis (or tuple of axes, or None = replicated).
 # Parameters are FSDP-sharded over `data` through their "embed" dimension (ZeRO-3 style).
+# Outside the pipelined MoE trunk the `pipeline` axis is one more data-parallel axis; inside a stage it is
+# manual, and `logical` leaves it out (docs/pipeline.md#layout).
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "expert")),
+    ("batch", ("data", "expert", "pipeline")),
     ("seq", None),
     ("act_embed", None),
     ("layers", None),
+    ("stage_layers", "pipeline"),  # the MoE stack in pipeline slot order: stage-major, one block per stage
     ("vocab", "tensor"),
     ("embed", "data"),
     ("embed_moe", "data"),
@@ -109,10 +112,9 @@ def validate_mesh(sizes: Mapping[str, int], cfg, global_batch: int | None = None
             raise InputError(f"{what}={dim} is not divisible by the {' x '.join(axes)} mesh size {n} ({fields}); "
                              f"{fix}")
 
-    if sizes.get("pipeline", 1) > 1:  # no logical axis maps to it yet: each replica would repeat the same work
-        raise InputError(f"mesh.pipeline={sizes['pipeline']}: pipeline stages are not built yet, so the pipeline "
-                         "replicas would all do the same work; set mesh.pipeline=1 and give the devices to "
-                         "mesh.data, mesh.expert or mesh.tensor")
+    if sizes.get("pipeline", 1) > 1:
+        from glm46_jax.model.pipeline import validate  # the schedule's own constraints live with the schedule
+        validate(cfg, sizes, global_batch)
     tensor, expert = ("tensor",), ("expert",)
     need(cfg.n_routed_experts, expert, "model.n_routed_experts", "choose a mesh.expert that divides it")
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
@@ -121,14 +123,29 @@ def validate_mesh(sizes: Mapping[str, int], cfg, global_batch: int | None = None
     # Parameters are FSDP-sharded over `data` through their model dimension.
     need(cfg.hidden_size, ("data",), "model.hidden_size", "choose a mesh.data that divides it")
     if global_batch is not None:
-        need(global_batch, mesh_axes("batch"), "train.global_batch",
-             "the batch is split over the data and expert axes; make it a multiple of their product")
+        # Outside the pipelined trunk the batch is split over `pipeline` too; named only when it is in use.
+        axes = tuple(a for a in mesh_axes("batch") if a != "pipeline" or sizes.get(a, 1) > 1)
+        need(global_batch, axes, "train.global_batch",
+             f"the batch is split over the {' and '.join(axes)} axes; make it a multiple of their product")
 
 
 def logical(*names: str | None) -> PartitionSpec:
-    """PartitionSpec for an array whose axes have these logical names."""
+    """PartitionSpec for an array whose axes have these logical names.
+
+    Mesh axes that are manual here (inside a pipeline stage's shard_map: `pipeline`) are left out: a
+    stage's arrays are laid out over the remaining axes only.
+    """
     rules = dict(LOGICAL_RULES)
-    return PartitionSpec(*(rules.get(n) if n is not None else None for n in names))
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+
+    def spec(name):
+        axes = rules.get(name) if name is not None else None
+        if axes is None or not manual:
+            return axes
+        kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in manual)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return PartitionSpec(*(spec(n) for n in names))
 
 
 def mesh_axes(name: str) -> tuple[str, ...]:

@@ -18,6 +18,7 @@ from jaxtyping import Array, Int
 
 from glm46_jax import sharding
 from glm46_jax.config import ModelConfig
+from glm46_jax.model import pipeline
 from glm46_jax.model.layers import ExpertBias
 from glm46_jax.model.transformer import GenerationCache, GLMMoE, ModelOutput
 
@@ -35,6 +36,10 @@ def init_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None,
     with sharding.use_mesh(mesh):
         graphdef, _, _ = abstract_model(cfg, mesh)
         params, buffers = _jitted_init(_init_key(cfg))(jax.random.key(seed))
+        stages = mesh.shape["pipeline"]
+        if stages > 1:  # the same weights as on any other mesh, in the pipeline's slot order
+            params, buffers = jax.jit(functools.partial(pipeline.to_slots, lay=pipeline.layout(cfg, stages)))(
+                (params, buffers))
     return graphdef, params, buffers
 
 
@@ -42,7 +47,7 @@ def _init_key(cfg: ModelConfig) -> ModelConfig:
     # Runtime fields do not change the parameters: share one compiled init between them.
     return dataclasses.replace(cfg, dtype="float32", attention_impl="xla", remat="none", moe_capacity_factor=0.0,
                                moe_dispatch="allgather", attention_block_q=128, attention_block_kv=128,
-                               moe_block_size=128)
+                               moe_block_size=128, pipeline_microbatches=0, pipeline_repeats=1)
 
 
 @functools.lru_cache(maxsize=16)
@@ -50,7 +55,8 @@ def _jitted_init(cfg: ModelConfig):
     # Cached per config: on CPU, XLA spends ~0.2 s compiling each threefry draw, ~20 s per model.
     @jax.jit
     def make(key):
-        _, params, buffers = nnx.split(GLMMoE(cfg, rngs=nnx.Rngs(params=key)), nnx.Param, ExpertBias)
+        # In layer order (stages=1) whatever the mesh: init_model permutes it into a pipeline's slots.
+        _, params, buffers = nnx.split(GLMMoE(cfg, rngs=nnx.Rngs(params=key), stages=1), nnx.Param, ExpertBias)
         return params, buffers
     return make
 
@@ -69,6 +75,7 @@ def abstract_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | jax.sharding.Abst
         def on_mesh(x):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.NamedSharding(mesh, x.sharding.spec))
         params, buffers = jax.tree.map(on_mesh, (params, buffers))
+    params, buffers = pipeline.with_stage_axis((params, buffers))
     return graphdef, params, buffers
 
 

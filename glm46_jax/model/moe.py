@@ -7,7 +7,6 @@ local grouped matmul of `experts.py`.
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ from jaxtyping import Array, Float, Int
 
 from glm46_jax.config import ModelConfig
 from glm46_jax.model.adapters import adapted
-from glm46_jax.model.experts import expert_capacity, grouped_experts, local_experts
+from glm46_jax.model.experts import _like, expert_capacity, grouped_experts, local_experts
 from glm46_jax.model.layers import MLP, ExpertBias, param
 from glm46_jax.sharding import constrain, logical, mesh_axes, weight
 
@@ -81,10 +80,10 @@ def dispatch(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float[Arra
     tok = logical("batch", None)
     exp = logical("exp", None, "mlp_moe")
     exp_down = logical("exp", "mlp_moe", None)
-    batch_axes = mesh_axes("batch")
+    # The token spec's axes, not mesh_axes("batch"): inside a pipeline stage `pipeline` is not among them.
+    batch_axes = _spec_axes(tok[0])
     local_fn = _allgather if cfg.moe_dispatch == "allgather" else _alltoall
 
-    @partial(jax.shard_map, in_specs=(tok, tok, tok, exp, exp, exp_down), out_specs=(tok, jax.P(), jax.P()))
     def local(x, idx, weights, wg, wu, wd):
         y, dropped = local_fn(x, idx, weights, wg, wu, wd, cfg)
         # FFN hidden is tensor-sharded: every tensor shard holds a partial sum of y.
@@ -93,10 +92,60 @@ def dispatch(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float[Arra
         dropped_frac = jax.lax.psum(dropped, batch_axes) / jax.lax.psum(idx.size, batch_axes)
         return y.astype(x.dtype), dropped_frac, load
 
+    in_specs = (tok, tok, tok, exp, exp, exp_down)
+    nested = bool(jax.sharding.get_abstract_mesh().manual_axes)  # inside a pipeline stage
+    # Nested, varying-axis checks stay off: JAX 0.12 would give the residuals it splits off this shard_map
+    # the outer manual axis too (docs/pipeline.md#nested-shard-map).
+    mapped = jax.shard_map(local, in_specs=in_specs, out_specs=(tok, jax.P(), jax.P()), check_vma=not nested)
+    if nested:
+        mapped = _backward_in_own_shard_map(local, mapped, in_specs, tok)
     tokens = [jax.sharding.reshard(a, tok) for a in (x, idx, weights)]
     experts = [jax.sharding.reshard(w, spec) for w, spec in
                ((w_gate_edf, exp), (w_up_edf, exp), (w_down_efd, exp_down))]
-    return local(*tokens, *experts)
+    return mapped(*tokens, *experts)
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _backward_in_own_shard_map(local, mapped, in_specs, out_spec):
+    """`mapped` with its outputs typed as varying like its inputs, and a VJP that recomputes `local` inside a
+    second shard_map of its own.
+
+    Inside a pipeline stage (a shard_map manual over `pipeline`) JAX 0.12 cannot lower the transpose of
+    this nested shard_map (its residuals get the wrong local shapes: docs/pipeline.md#nested-shard-map), so
+    the backward is written out: the primal inputs are the only residuals and the local forward is
+    recomputed under `jax.vjp` in the backward's own shard_map.
+    """
+    def forward(*args):
+        # check_vma=False types the outputs as invariant over the outer manual axis although they vary with
+        # the stage; left so, autodiff would psum their cotangents over the stages. No autodiff runs here.
+        outer = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in args))
+        return tuple(jax.lax.pcast(o, tuple(sorted(outer - jax.typeof(o).manual_axis_type.varying)), to="varying")
+                     for o in mapped(*args))
+
+    @jax.custom_vjp
+    def run(*args):
+        return forward(*args)
+
+    def fwd(*args):
+        return forward(*args), args
+
+    def bwd(args, cts):
+        def local_bwd(x, idx, weights, wg, wu, wd, ct_y):
+            def differentiable(x, weights, wg, wu, wd):
+                return local(x, idx, weights, wg, wu, wd)[0]
+            y, pullback = jax.vjp(differentiable, x, weights, wg, wu, wd)
+            return pullback(_like(ct_y, y))
+
+        grads = jax.shard_map(local_bwd, in_specs=(*in_specs, out_spec),
+                              out_specs=tuple(in_specs[i] for i in (0, 2, 3, 4, 5)))(*args, cts[0])
+        gx, gweights, gwg, gwu, gwd = grads
+        return gx, None, gweights, gwg, gwu, gwd
+
+    run.defvjp(fwd, bwd)
+    return run
 
 
 def _expert_group() -> tuple[str, ...]:

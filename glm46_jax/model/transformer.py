@@ -10,6 +10,7 @@ from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
 from glm46_jax.config import ModelConfig
+from glm46_jax.model import pipeline
 from glm46_jax.model.attention import Attention, KVCache, cache_mask, self_attention_mask
 from glm46_jax.model.layers import MLP, RMSNorm, param, rope_cos_sin
 from glm46_jax.model.moe import MoE
@@ -52,11 +53,11 @@ class DecoderLayer(nnx.Module):
         return x + y, cache, topk
 
 
-def _stack(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs) -> DecoderLayer:
-    """n layers with parameters stacked on a leading "layers" axis, for lax.scan."""
+def _stack(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs, axis: str = "layers") -> DecoderLayer:
+    """n layers with parameters stacked on a leading `axis` ("layers", or the pipeline's "stage_layers")."""
 
     @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def make(rngs):
         return DecoderLayer(cfg, moe, rngs=rngs)
 
@@ -161,13 +162,23 @@ class ModelOutput:
 
 
 class GLMMoE(nnx.Module):
-    """`Glm4MoeForCausalLM` (+ its MTP layer) as an NNX module."""
+    """`Glm4MoeForCausalLM` (+ its MTP layer) as an NNX module.
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    `stages` (default: the mesh's `pipeline` size) > 1 stores the MoE stack in pipeline slot order and runs it
+    through the pipeline (docs/pipeline.md); the dense layers, head and MTP layer run data-parallel over it.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stages: int | None = None):
         self.cfg = cfg
+        self.stages = pipeline.mesh_stages() if stages is None else stages
         self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg)
         self.dense_layers = _stack(cfg, False, cfg.num_dense_layers, rngs) if cfg.num_dense_layers else None
-        self.moe_layers = _stack(cfg, True, cfg.num_moe_layers, rngs) if cfg.num_moe_layers else None
+        if not cfg.num_moe_layers:
+            self.moe_layers = None
+        elif self.stages > 1:
+            self.moe_layers = _stack(cfg, True, pipeline.layout(cfg, self.stages).slots, rngs, "stage_layers")
+        else:
+            self.moe_layers = _stack(cfg, True, cfg.num_moe_layers, rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg)
         self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg)
         self.mtp = MTPLayer(cfg, rngs=rngs) if cfg.num_nextn_predict_layers else None
@@ -192,7 +203,15 @@ class GLMMoE(nnx.Module):
         if self.dense_layers is not None:
             with jax.named_scope("dense_layers"):
                 x, _ = _run_stack(self.dense_layers, x, cos, sin, mask, cfg)
-        if self.moe_layers is not None:
+        if self.moe_layers is not None and self.stages > 1:
+            with jax.named_scope("moe_layers"):
+                graphdef, state = nnx.split(self.moe_layers)
+
+                def layer(layer_state, *args):
+                    return nnx.merge(graphdef, layer_state)(*args)
+                x, aux = pipeline.run(state, x, cos, sin, mask, cfg, layer, _REMAT_POLICIES.get(cfg.remat),
+                                      remat=cfg.remat != "none")
+        elif self.moe_layers is not None:
             with jax.named_scope("moe_layers"):
                 x, aux = _run_stack(self.moe_layers, x, cos, sin, mask, cfg, expert_ids)
         hidden = self.norm(x)
@@ -268,6 +287,9 @@ class GLMMoE(nnx.Module):
                       ) -> tuple[Float[Array, "b s d"], GenerationCache, Int[Array, "l b s k"] | None]:
         """`hidden_cached` and the MoE layers' chosen experts for the new tokens."""
         cfg = self.cfg
+        if self.stages > 1:
+            raise ValueError("generation runs the layers in order on a mesh without pipeline stages; load the "
+                             "weights on a mesh with mesh.pipeline=1 (checkpoints are stored in layer order)")
         dt = jnp.dtype(cfg.dtype)
         s = tokens.shape[1]
         cos, sin = rope_cos_sin(positions, cfg, dt)

@@ -285,6 +285,10 @@ class RunConfig:
         if stages > 1 and self.recipe == "sft" and self.sft.method == "lora":
             raise InputError(f"mesh.pipeline={stages} with sft.method=lora: LoRA adapters are not built for the "
                              "pipeline's layer layout; set mesh.pipeline=1 (or sft.method=full)")
+        if stages > 1 and self.recipe == "grpo":
+            raise InputError(f"mesh.pipeline={stages} with recipe grpo: RL samples with the KV-cache generator and "
+                             "replays routing, which run the layers in order, not in pipeline stages; set "
+                             "mesh.pipeline=1 (give the devices to mesh.data or mesh.expert)")
         if stages > 1 and self.optim.layer_decay != 1.0:
             raise InputError(f"mesh.pipeline={stages} with optim.layer_decay={self.optim.layer_decay}: layer-wise lr "
                              "decay counts depth in layer order, not the pipeline's slot order; set "

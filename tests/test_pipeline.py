@@ -237,6 +237,10 @@ def test_unsupported_combinations_are_config_errors():
     config.optim.layer_decay = 0.9
     with pytest.raises(InputError, match=r"mesh.pipeline=2 with optim.layer_decay=0.9: .* set optim.layer_decay=1.0"):
         run_config.from_config_dict(config)
+    rl = _config_file("grpo", "tiny")  # RL samples with the in-order generator and replays routing
+    rl.mesh = {"data": -1, "pipeline": 2}
+    with pytest.raises(InputError, match=r"mesh.pipeline=2 with recipe grpo: .* set mesh.pipeline=1"):
+        run_config.from_config_dict(rl)
     one = sharding.make_mesh({"pipeline": 2, "data": 4}, cfg=TINY.replace(num_hidden_layers=3))
     graphdef, params, buffers = init_model(TINY.replace(num_hidden_layers=3), one)
     with sharding.use_mesh(one), pytest.raises(ValueError, match="generation runs the layers in order"):

@@ -204,6 +204,9 @@ class GLMMoE(nnx.Module):
             with jax.named_scope("dense_layers"):
                 x, _ = _run_stack(self.dense_layers, x, cos, sin, mask, cfg)
         if self.moe_layers is not None and self.stages > 1:
+            if expert_ids is not None:  # run_config refuses RL on a pipeline mesh; this guards direct callers
+                raise ValueError("routing replay (expert_ids) is not supported with pipeline stages; run the model "
+                                 "on a mesh with mesh.pipeline=1")
             with jax.named_scope("moe_layers"):
                 graphdef, state = nnx.split(self.moe_layers)
 

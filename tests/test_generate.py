@@ -129,7 +129,7 @@ def test_sharded_mesh_gives_same_tokens(tiny, mesh1):
     with sharding.use_mesh(mesh8):
         _, cache = gen._prefill(*model8, jnp.ones((4, 3), jnp.int32), jnp.zeros(4, jnp.int32), max_len=5)
     for kv in (cache.dense.k, cache.moe.v):
-        assert kv.sharding.spec == jax.P(None, ("data", "expert"), None, "tensor", None)
+        assert kv.sharding.spec == jax.P(None, ("data", "expert", "pipeline"), None, "tensor", None)
     assert greedy1 == [_naive_greedy(tiny, mesh1, p, 4) for p in PROMPTS]
 
 

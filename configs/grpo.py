@@ -17,7 +17,8 @@ import os
 
 import ml_collections
 
-from glm46_jax.run_config import RLConfig, config_file
+from glm46_jax.lora import LoRAConfig
+from glm46_jax.run_config import RLConfig, fine_tuning_config
 
 _PRESETS = {
     # After `configs/sft.py:rl_addition` (held-out greedy accuracy ~0.3): 150 rollouts of 8 prompts x 8 samples,
@@ -50,17 +51,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     if preset not in _PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(_PRESETS)}")
     p = _PRESETS[preset]
-    c = config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrain.py"), p["base"])
-    c.recipe = "grpo"
-    c.run_dir = f"runs/grpo_{preset}"
-    c.checkpoint.update(init_from=p["init_from"], **p["checkpoint"])
-    c.train.update(**p["train"])
-    c.optim.update(decay_steps=0, **p["optim"])  # 0: the schedule spans this run
+    c = fine_tuning_config(os.path.dirname(os.path.abspath(__file__)), "grpo", preset, p)
     rl = dataclasses.asdict(RLConfig())
     rl.update(p["rl"])
     c.rl = {k: list(v) if isinstance(v, tuple) else v for k, v in rl.items()}
-    c.lora = dict(rank=16, alpha=32.0, rslora=False, dora=False, experts="none", base_dtype="float32", dropout=0.0,
-                  targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
-    c.loss.update(mtp_boundary_tokens=0.0)
-    c.balance.update(boundary_tokens=0.0, rate_after=0.0)  # the correction biases stay as trained
+    c.lora = dataclasses.asdict(LoRAConfig(rank=16, alpha=32.0))
     return c

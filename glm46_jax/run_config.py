@@ -357,6 +357,25 @@ def from_config_dict(config: Any) -> RunConfig:
         balance=_section(BalanceConfig, "balance", d["balance"]), source=d, recipe=recipe, sft=sft, lora=lora, rl=rl)
 
 
+def fine_tuning_config(config_dir: str, recipe: str, preset: str, p: Mapping[str, Any]) -> Any:
+    """configs/pretrain.py:<p["base"]> set up to continue another run's weights as `recipe` ("sft", "grpo").
+
+    From the preset dict `p`: checkpoint.init_from and the checkpoint / train / optim overrides; the lr schedule
+    spans this run (decay_steps 0). Fine-tuning comes after GLM's 15T-token boundary: the MTP loss is at its later
+    weight from the start and loss-free balancing is off (the correction biases stay as trained). The recipe's own
+    section (sft, rl, lora) is the caller's.
+    """
+    c = config_file(os.path.join(config_dir, "pretrain.py"), p["base"])
+    c.recipe = recipe
+    c.run_dir = f"runs/{recipe}_{preset}"
+    c.checkpoint.update(init_from=p["init_from"], **p["checkpoint"])
+    c.train.update(**p["train"])
+    c.optim.update(decay_steps=0, **p["optim"])
+    c.loss.update(mtp_boundary_tokens=0.0)
+    c.balance.update(boundary_tokens=0.0, rate_after=0.0)
+    return c
+
+
 def config_file(path: str, preset: str) -> Any:
     """`get_config(preset)` of the config file at `path` (e.g. mid-training and SFT build on configs/pretrain.py).
     Loaded by path: config files are not a package, and ml_collections' config flags load them by path too."""

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import FIXTURES, randomize_params
 
-from conftest import FIXTURES
 from glm46_jax import generate as gen
 from glm46_jax import sharding
 from glm46_jax.cli import InputError
@@ -24,16 +24,10 @@ CFG = dataclasses.replace(TINY, vocab_size=128, dtype="float32")
 PROMPTS = [[5, 9, 17, 3, 44, 2], [7, 8], [100, 1, 2, 60], [33]]  # lengths 6, 2, 4, 1: left padding 0..5
 
 
-def _randomize(params, seed=0, scale=0.3):
-    # Larger-than-init weights: logits far from uniform, so greedy choices have no near-ties.
-    keys = iter(jax.random.split(jax.random.key(seed), 200))
-    return jax.tree.map(lambda p: p + scale * jax.random.normal(next(keys), p.shape, p.dtype), params)
-
-
 @pytest.fixture(scope="module")
 def tiny(mesh1):
     graphdef, params, buffers = init_model(CFG, mesh1, seed=7)
-    return graphdef, _randomize(params), buffers
+    return graphdef, randomize_params(params), buffers
 
 
 @pytest.fixture(scope="module")

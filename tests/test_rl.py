@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import randomize_params
 
 from glm46_jax import sharding
 from glm46_jax.config import TINY
@@ -102,15 +103,10 @@ def test_kl_k3_matches_definition():
 
 # --- the model side: gradient and routing replay -----------------------------------------------
 
-def _randomize(params, seed=0, scale=0.3):
-    keys = iter(jax.random.split(jax.random.key(seed), 200))
-    return jax.tree.map(lambda p: p + scale * jax.random.normal(next(keys), p.shape, p.dtype), params)
-
-
 @pytest.fixture(scope="module")
 def tiny(mesh1):
     graphdef, params, buffers = init_model(CFG, mesh1, seed=3)
-    return graphdef, _randomize(params), buffers
+    return graphdef, randomize_params(params), buffers
 
 
 @pytest.fixture(scope="module")

@@ -255,7 +255,7 @@ def _blocked_swiglu_fwd(x, wg, wu, wd, w_nk, layout: BlockLayout, block: int):
         return y.at[tokens].add(weighted, mode="drop", unique_indices=True)
 
     y = _pvary(jnp.zeros(x.shape, jnp.float32), x, wg, wu, wd, w_nk, layout.row_token)
-    return jax.lax.fori_loop(0, layout.used, body, y), (x, wg, wu, wd, w_nk, layout)
+    return jax.lax.fori_loop(0, layout.used, body, y), (x, wg, wu, wd, w_nk, w_row, layout)
 
 
 def block_forward(x: Float[Array, "n d"], wg: Array, wu: Array, wd: Array, tokens: Int[Array, " block"],
@@ -287,9 +287,8 @@ def block_backward(x: Float[Array, "n d"], dy: Float[Array, "n d"], w_b: Float[A
 
 
 def _blocked_swiglu_bwd(block, res, dy):
-    x, wg, wu, wd, w_nk, layout = res
+    x, wg, wu, wd, w_nk, w_row, layout = res
     rows = layout.row_token.shape[0]
-    w_row = _take_rows(w_nk.reshape(-1), layout.row_assign)  # fp32, 0 on padding rows
 
     def body(b, carry):
         dwg, dwu, dwd, dx, dw_rows = carry

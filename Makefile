@@ -7,9 +7,13 @@
 #   make train      tiny GLM-MoE pre-training on CPU over data/sample (extra flags with ARGS="--config.train.steps=50")
 #   make sft        after make train: LoRA fine-tuning on the sample chats (data/sample_sft), then a chat reply
 #                   from the merged model (extra training flags with ARGS=...)
+#   make rl         the RL demo on CPU (docs/rl.md#the-cpu-demo): the addition task, SFT of the tiny model on it,
+#                   then GRPO; prints the held-out exact-match accuracy before and after (extra GRPO flags with ARGS=...)
+#   make test-jax-min  the model/step tests on jax 0.11.2 + flax 0.12.10 (pyproject's lowest, the lent GPU image's
+#                   jax) in a second venv .venv-jax011; JAX_MIN_TESTS="tests/x.py ..." picks the files
 #   make fixtures   regenerate tests/fixtures/hf_* with HF transformers in a separate Python 3.11 .venv-hf
 #                   (optional: the fixtures are committed, so CI and `make test` never need this)
-#   make clean      remove .venv, .venv-hf, runs/ and data/sample
+#   make clean      remove .venv, .venv-hf, .venv-jax011, runs/, data/sample and the RL demo's data
 #
 # The interpreter is found by .ci/find_python.sh; override it with `make PYTHON=/path/to/python3.12 test`
 # (and PYTHON_HF=/path/to/python3.11 for `make fixtures`).
@@ -32,7 +36,7 @@ TEST_WORKERS ?= 2
 HF_PKGS     ?= torch==2.13.0 transformers==5.23.0 safetensors numpy
 HF_PIP_ARGS ?=
 
-.PHONY: venv test train sft data fixtures clean
+.PHONY: venv test test-jax-min train sft rl data fixtures clean
 
 venv: $(VENV)/.installed
 
@@ -46,7 +50,7 @@ $(VENV)/.installed: pyproject.toml
 	  py="$(PYTHON)"; \
 	  if [ -z "$$py" ]; then py="$$(.ci/find_python.sh 3.12)"; fi; \
 	  if ! "$$py" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then \
-	    echo "error: PYTHON=$$py is not a working Python >= 3.12 (jax 0.12 needs it)." >&2; exit 1; \
+	    echo "error: PYTHON=$$py is not a working Python >= 3.12 (jax >= 0.11.2 needs it)." >&2; exit 1; \
 	  fi; \
 	  echo "creating $(VENV) with $$py ($$("$$py" -V 2>&1))"; \
 	  "$$py" -m venv $(VENV) || { rm -rf $(VENV); \
@@ -61,6 +65,30 @@ $(VENV)/.installed: pyproject.toml
 # which runs on one core per compile. TEST_WORKERS=0 runs in this process (needed for pdb).
 test: $(VENV)/.installed
 	@TIMEFORMAT='suite time: %1Rs'; time $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests $(PYTEST_ARGS)
+
+# The lowest jax/flax pyproject admits, in .venv-jax011: the package installed with pip's own resolution under those
+# pins, so an install failure means pyproject's bounds no longer admit them. Rebuilt when pyproject.toml changes.
+VENV_JAX_MIN  := .venv-jax011
+PY_JAX_MIN    := $(VENV_JAX_MIN)/bin/python
+JAX_MIN_PKGS  ?= jax==0.11.2 jaxlib==0.11.2 flax==0.12.10
+JAX_MIN_TESTS ?= tests/test_model.py tests/test_hf_parity.py tests/test_sharding.py tests/test_train_step.py \
+                 tests/test_loss.py tests/test_optim.py tests/test_generate.py tests/test_gpu_bench.py
+JAX_MIN_DESELECT ?=
+
+$(VENV_JAX_MIN)/.installed: pyproject.toml
+	@py="$(PYTHON)"; \
+	if [ -z "$$py" ]; then py="$$(.ci/find_python.sh 3.12)"; fi; \
+	echo "creating $(VENV_JAX_MIN) with $$py ($$("$$py" -V 2>&1))"; \
+	rm -rf $(VENV_JAX_MIN); "$$py" -m venv $(VENV_JAX_MIN)
+	$(PY_JAX_MIN) -m pip install -q -U pip
+	$(PY_JAX_MIN) -m pip install -q -e ".[dev]" $(JAX_MIN_PKGS)
+	$(PY_JAX_MIN) -c 'import jax, flax; print("$(VENV_JAX_MIN): jax", jax.__version__, "flax", flax.__version__)'
+	@touch $@
+
+test-jax-min: $(VENV_JAX_MIN)/.installed
+	@TIMEFORMAT='jax-min time: %1Rs'; time $(PY_JAX_MIN) -m pytest -q \
+	  $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(JAX_MIN_TESTS) $(JAX_MIN_DESELECT) \
+	  $(PYTEST_ARGS)
 
 # The sample corpus (stdlib code + prose, 512-token BPE) that the tiny preset trains on; built
 # once, offline. A half-written one resumes: data_prep skips shards already complete.
@@ -88,6 +116,24 @@ sft: $(VENV)/.installed $(SAMPLE_SFT)/metadata.json runs/tiny/status.json
 	$(PY) -m glm46_jax.generate --checkpoint runs/sft_tiny/merged --tokenizer $(SAMPLE_SFT)/tokenizer.json --chat \
 	  --no-thinking --prompt "What is 12 + 7?" --prompt "Reverse the word 'planet'." --max-new-tokens 48
 
+# The RL demo: data (offline, seconds), SFT warm-up from random weights, then GRPO on the same task.
+RL_DATA := data/rl_addition
+
+$(RL_DATA)/sft/metadata.json: $(VENV)/.installed
+	$(PY) -m data_prep.rl_tasks --out $(RL_DATA)
+	$(PY) -m data_prep sft --input $(RL_DATA)/sft_chats.jsonl --tokenizer $(RL_DATA)/tokenizer.json \
+	  --out $(RL_DATA)/sft --heldout-fraction 0.05 --max-len 64
+
+runs/sft_rl_addition/status.json: $(RL_DATA)/sft/metadata.json
+	$(PY) -m glm46_jax.train --config=configs/sft.py:rl_addition
+
+rl: runs/sft_rl_addition/status.json
+	$(PY) -m glm46_jax.train --config=configs/grpo.py:tiny $(ARGS)
+	@$(PY) -c 'import json; r = json.load(open("runs/grpo_tiny/heldout.json")); a, b, n = r["start_accuracy"], \
+	  r["end"]["accuracy"], r["problems"]; se = lambda p: (p * (1 - p) / n) ** 0.5; \
+	  print(f"held-out exact-match accuracy on {n} problems (greedy): {a:.3f} +- {se(a):.3f} before GRPO -> " \
+	        f"{b:.3f} +- {se(b):.3f} after ({b - a:+.3f})")'
+
 fixtures: $(VENV_HF)/.installed
 	$(PY_HF) tests/fixtures/make_hf_fixtures.py --out tests/fixtures
 
@@ -101,4 +147,4 @@ $(VENV_HF)/.installed:
 	@touch $@
 
 clean:
-	rm -rf $(VENV) $(VENV_HF) runs/ $(SAMPLE) $(SAMPLE_SFT)
+	rm -rf $(VENV) $(VENV_HF) $(VENV_JAX_MIN) runs/ $(SAMPLE) $(SAMPLE_SFT) $(RL_DATA)

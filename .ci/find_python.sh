@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Print the path of a Python interpreter whose version lies in [MIN, MAX] (default: 3.12 or newer).
 #
-#   .ci/find_python.sh            # any Python >= 3.12 (what the main .venv needs: jax 0.12 requires it)
+#   .ci/find_python.sh            # any Python >= 3.12 (what the main .venv needs: jax >= 0.11.2 requires it)
 #   .ci/find_python.sh 3.11 3.11 PYTHON_HF  # exactly 3.11 (the optional .venv-hf that regenerates HF fixtures)
 # The optional third argument names the make variable that overrides the search (used in the error message).
 #
@@ -58,7 +58,7 @@ want="Python >= $min"
   echo "  Looked for $(IFS=/; echo "${names[*]}") on PATH (each one run; failing pyenv"
   echo "  shims are skipped) and in pyenv's versions directory (${PYENV_ROOT:-$HOME/.pyenv}/versions)."
   if [ "$min" = "3.12" ] && [ -z "$max" ]; then
-    echo "  glm46_jax needs Python >= 3.12: jax/jaxlib 0.12 and flax 0.12.12 require it (on 3.11 pip would"
+    echo "  glm46_jax needs Python >= 3.12: jax/jaxlib >= 0.11.2 and flax >= 0.12.10 require it (on 3.11 pip would"
     echo "  silently install jax 0.10, whose APIs differ)."
   fi
   echo "  Install $want, for example one of:"

@@ -60,6 +60,8 @@ def _glm45_phases(rope_long: float = 1e6) -> dict:
 # context=1 (e.g. data=-1, tensor=8, expert=2): stop the run at the 32K phase's start (train.steps) and resume
 # with this mesh; checkpoints restore onto any mesh.
 _GLM45_MESH = dict(data=-1, tensor=8, expert=2, context=8)
+# GLM-4.5-Air (12B active): the plan fits its 4K / 32K / 128K phases on 512 H100s (data 8) at 26 / 31 / 48 GiB.
+_GLM45_AIR_MESH = dict(data=-1, tensor=4, expert=2, context=8)
 
 # preset -> overrides of the defaults in get_config. Only what differs. The presets with 32K+ phases use
 # blockwise attention (no [s, s] scores, any backend: docs/long_context.md#blockwise-attention); on GPUs
@@ -95,7 +97,7 @@ _PRESETS = {
         }),
     ),
     "glm45_air": dict(model=dict(dtype="bfloat16", remat="full", attention_impl="blockwise"),
-                      mesh=dict(data=-1, expert=8),
+                      mesh=_GLM45_AIR_MESH,
                       data=dict(phases=_glm45_phases())),
     "glm45": dict(model=dict(dtype="bfloat16", remat="full", attention_impl="blockwise"),
                   mesh=_GLM45_MESH,

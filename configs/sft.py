@@ -15,11 +15,13 @@ Every other field is `configs/pretrain.py`'s. Fine-tuning comes after GLM's 15T 
 later 0.1 and loss-free balancing is off (the correction biases stay as pre-trained).
 """
 
+import dataclasses
 import os
 
 import ml_collections
 
-from glm46_jax.run_config import config_file
+from glm46_jax.lora import LoRAConfig
+from glm46_jax.run_config import fine_tuning_config
 
 _PRESETS = {
     # LoRA rank 16 on every attention projection and dense/shared-expert FFN of make train's run: ~120 steps
@@ -41,6 +43,17 @@ _PRESETS = {
         lora=dict(rank=64, alpha=128.0, base_dtype="bfloat16"),
     ),
 }
+# The RL demo's first stage (make rl, docs/rl.md#the-cpu-demo): the tiny model, from random weights, taught the
+# addition chats of `python -m data_prep.rl_tasks` only partly (200 steps: held-out greedy accuracy 0.29 of 500),
+# so that GRPO has accuracy to add.
+_PRESETS["rl_addition"] = dict(
+    base="tiny", init_from="", method="full", root="data/rl_addition/sft",
+    sft=dict(seq_len=64, global_batch=16, epochs=1.0),
+    train=dict(steps=200, log_every=25, eval_every=0, eval_batches=2),
+    checkpoint=dict(every=1000, keep=1),
+    optim=dict(lr=3e-3, end_lr=3e-4, warmup_steps=20, algorithm="adamw", weight_decay=0.0),
+    lora=None,
+)
 # The same run, every weight trained (held-out assistant CE 1.04 after the same 123 steps: benchmarks/RESULTS.md).
 _PRESETS["tiny_full"] = {**_PRESETS["tiny"], "method": "full", "lora": None,
                          "optim": {**_PRESETS["tiny"]["optim"], "lr": 1e-3, "end_lr": 1e-4}}
@@ -50,16 +63,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     if preset not in _PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(_PRESETS)}")
     p = _PRESETS[preset]
-    c = config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrain.py"), p["base"])
-    c.recipe = "sft"
-    c.run_dir = f"runs/sft_{preset}"
-    c.checkpoint.update(init_from=p["init_from"], **p["checkpoint"])
-    c.train.update(**p["train"])
-    c.optim.update(decay_steps=0, **p["optim"])  # 0: the schedule spans this run
+    c = fine_tuning_config(os.path.dirname(os.path.abspath(__file__)), "sft", preset, p)
     c.sft = dict(root=p["root"], method=p["method"], pack="best_fit", num_workers=0, **p["sft"])
-    lora = dict(rank=8, alpha=16.0, rslora=False, dora=False, experts="none", base_dtype="float32", dropout=0.0,
-                targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
-    c.lora = {**lora, **(p["lora"] or {})} if p["lora"] is not None else lora
-    c.loss.update(mtp_boundary_tokens=0.0)  # past GLM's 15T boundary: mtp_weight_after from the start
-    c.balance.update(boundary_tokens=0.0, rate_after=0.0)  # the correction biases stay as pre-trained
+    c.lora = dataclasses.asdict(LoRAConfig(**(p["lora"] or {})))
     return c

@@ -38,7 +38,7 @@ from jax.experimental import multihost_utils
 
 from glm46_jax.cli import InputError
 from glm46_jax.config import RUNTIME_FIELDS, ModelConfig, model_config_from_dict
-from glm46_jax.model import abstract_model
+from glm46_jax.model import abstract_model, pipeline
 
 CHECKPOINTS = "checkpoints"
 ITEMS = ("model", "optimizer", "data", "meta")
@@ -124,9 +124,13 @@ class Checkpointer:
 
         Always saves: callers ask `should_save` first, and save regardless at the end and on preemption.
         """
+        # On disk the MoE stack is always in layer order: any mesh restores it (docs/pipeline.md#checkpoints).
+        cfg = model_config_from_dict(meta["model_config"]) if "model_config" in meta else None
+        params, buffers, opt_state = ((state.params, state.buffers, state.opt_state) if cfg is None else
+                                      pipeline.in_layer_order((state.params, state.buffers, state.opt_state), cfg))
         args = ocp.args.Composite(
-            model=ocp.args.StandardSave(_model_tree(state.params, state.buffers)),
-            optimizer=ocp.args.StandardSave({"step": state.step, "opt_state": state.opt_state}),
+            model=ocp.args.StandardSave(_model_tree(params, buffers)),
+            optimizer=ocp.args.StandardSave({"step": state.step, "opt_state": opt_state}),
             data=ocp.args.JsonSave({"processes": _all_processes_json(data_state)}),
             meta=ocp.args.JsonSave(meta))
         self._mngr.save(step, args=args, metrics=metrics, force=True)
@@ -170,8 +174,10 @@ class Checkpointer:
     def _restore(self, step: int, target, shared_data: bool):
         abstract = lambda tree: jax.tree.map(  # noqa: E731
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-        model_target = abstract(_model_tree(target.params, target.buffers))
-        opt_target = abstract({"step": target.step, "opt_state": target.opt_state})
+        cfg = model_config_from_dict(read_meta(os.path.join(self.directory, str(step)))["model_config"])
+        in_order = pipeline.layer_order_target((target.params, target.buffers, target.opt_state), cfg)
+        model_target = abstract(_model_tree(*in_order[:2]))
+        opt_target = abstract({"step": target.step, "opt_state": in_order[2]})
         r = self._mngr.restore(step, args=ocp.args.Composite(
             model=ocp.args.StandardRestore(model_target), optimizer=ocp.args.StandardRestore(opt_target),
             data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
@@ -183,11 +189,12 @@ class Checkpointer:
                 f"{self.directory}/{step} was saved by {len(processes)} processes, restoring with "
                 f"{jax.process_count()}: their data iterators cannot be split differently. Resume with the same "
                 "number of processes, or start a new run from these weights with checkpoint.init_from")
-        params, buffers = jax.tree.map(lambda x: x, (target.params, target.buffers))  # copies of the structure
+        params, buffers = jax.tree.map(lambda x: x, in_order[:2])  # copies of the structure
         nnx.replace_by_pure_dict(params, r["model"]["params"])
         nnx.replace_by_pure_dict(buffers, r["model"]["buffers"])
-        state = target.replace(step=r["optimizer"]["step"], params=params, buffers=buffers,
-                               opt_state=r["optimizer"]["opt_state"])
+        params, buffers, opt_state = pipeline.placed_like((params, buffers, r["optimizer"]["opt_state"]),
+                                                          (target.params, target.buffers, target.opt_state), cfg)
+        state = target.replace(step=r["optimizer"]["step"], params=params, buffers=buffers, opt_state=opt_state)
         return state, processes[jax.process_index()], dict(r["meta"])
 
     def close(self) -> None:
@@ -242,6 +249,7 @@ def save_params(directory: str | os.PathLike, step: int, params: nnx.State, buff
     """Write `<directory>/<step>/{model,meta}` synchronously; every process must call it."""
     directory = os.path.abspath(os.fspath(directory))
     mngr = _manager(directory, async_save=False)
+    params, buffers = pipeline.in_layer_order((params, buffers), model_cfg)
     args = {"model": ocp.args.StandardSave(_model_tree(params, buffers)),
             "meta": ocp.args.JsonSave({**(meta or {}), "model_config": dataclasses.asdict(model_cfg)})}
     mngr.save(int(step), args=ocp.args.Composite(**args), force=True)
@@ -302,12 +310,16 @@ def load_params(path: str | os.PathLike, mesh: jax.sharding.Mesh, **runtime: Any
 def restore_model(step_dir: str, params: nnx.State, buffers: nnx.State) -> tuple[nnx.State, nnx.State]:
     """A step's saved weights, into the structure, shapes and shardings of `params` / `buffers` (arrays or
     ShapeDtypeStructs): e.g. a LoRA run's adapters, whose train state holds only them."""
+    cfg = model_config_from_dict(read_meta(step_dir)["model_config"])
+    wanted = (params, buffers)
+    in_order = pipeline.layer_order_target(jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=x.sharding), wanted), cfg)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          _model_tree(params, buffers))
+                          _model_tree(*in_order))
     _quiet_orbax()
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(os.path.join(step_dir, "model"), target)
-    params, buffers = jax.tree.map(lambda x: x, (params, buffers))  # new containers, the caller's left as they are
+    params, buffers = jax.tree.map(lambda x: x, in_order)  # new containers, the caller's left as they are
     nnx.replace_by_pure_dict(params, restored["params"])
     nnx.replace_by_pure_dict(buffers, restored["buffers"])
-    return params, buffers
+    return pipeline.placed_like((params, buffers), wanted, cfg)

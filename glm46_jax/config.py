@@ -112,6 +112,10 @@ class ModelConfig:
     # How tokens reach experts sharded over the `expert` mesh axis (see model/moe.py).
     moe_dispatch: str = "allgather"  # allgather | alltoall
     remat: str = "none"  # none | full | save_matmuls
+    # With mesh.pipeline > 1 (docs/pipeline.md): micro-batches each batch shard streams through the stages
+    # (0 = as many as stages) and the circular schedule's repeats (1 = GPipe).
+    pipeline_microbatches: int = 0
+    pipeline_repeats: int = 1
 
     def __post_init__(self):
         def fail(field: str, ok: bool, why: str, fix: str):
@@ -178,6 +182,8 @@ class ModelConfig:
         check_choice("model", self, "moe_dispatch", _MOE_DISPATCH,
                      "a ragged all-to-all needs a GPU/TPU to test on and is not in this build")
         check_choice("model", self, "remat", _REMAT)
+        check_range("model", self, "pipeline_microbatches", ge=0, meaning="0 = as many as pipeline stages")
+        check_range("model", self, "pipeline_repeats", ge=1, meaning="chunks per stage, 1 = GPipe")
 
     # Derived sizes used throughout the model.
     @property
@@ -249,7 +255,8 @@ def model_config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
 
 # The fields HF's config.json does not have: how the model runs, not what it computes.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "attention_impl", "attention_block_q", "attention_block_kv",
-                  "moe_capacity_factor", "moe_block_size", "moe_dispatch", "remat")
+                  "moe_capacity_factor", "moe_block_size", "moe_dispatch", "remat", "pipeline_microbatches",
+                  "pipeline_repeats")
 _HF_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME_FIELDS)
 _HF_ALIASES = {"num_mtp_layers": "num_nextn_predict_layers", "num_local_experts": "n_routed_experts"}
 

@@ -32,7 +32,7 @@ from jaxtyping import Array, Float, Int
 
 from glm46_jax import chat, cli, sharding
 from glm46_jax.cli import InputError
-from glm46_jax.model import GenerationCache, apply_cached
+from glm46_jax.model import GenerationCache, apply_cached_routed
 
 # The same loading, tokenizer lookup and model flags as scoring.
 from glm46_jax.score import _Tokenizer, add_model_args, load_model
@@ -41,10 +41,15 @@ from glm46_jax.score import _Tokenizer, add_model_args, load_model
 @struct.dataclass
 class Generation:
     """tokens[b, :lengths[b]] are row b's new tokens (a stop token, when one ended the row, included);
-    later slots hold `pad_id` with log-prob 0."""
+    later slots hold `pad_id` with log-prob 0.
+
+    With `generate(record_routing=True)`, routing[b, slot, l, :] are the experts MoE layer l chose for the token
+    at KV-cache slot `slot` of row b: the left-padded prompt (slots [0, P)), then new tokens 0 .. n-2 (the last
+    new token is never fed back). Routing replay trains on these (docs/rl.md#routing-replay)."""
     tokens: Int[Array, "b n"]
     logprobs: Float[Array, "b n"]
     lengths: Int[Array, "b"]
+    routing: Int[Array, "b slots l k"] | None = None
 
 
 # --- sampling -------------------------------------------------------------------------------
@@ -104,25 +109,41 @@ def _rows(x):
     return jax.sharding.reshard(x, sharding.logical("batch", *([None] * (x.ndim - 1))))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_len"))
-def _prefill(graphdef: nnx.GraphDef, params, buffers, tokens: Int[Array, "b p"], start: Int[Array, "b"],
-             max_len: int) -> tuple[Float[Array, "b v"], GenerationCache]:
+def _routing_rows(routing: Int[Array, "l b s k"] | None) -> Int[Array, "b s l k"] | None:
+    # Batch-first (rows are what callers slice), and replicated like the other sampling outputs.
+    return None if routing is None else _replicated(jnp.transpose(routing, (1, 2, 0, 3)))
+
+
+def _prefill_routed_impl(graphdef: nnx.GraphDef, params, buffers, tokens: Int[Array, "b p"], start: Int[Array, "b"],
+                         max_len: int) -> tuple[Float[Array, "b v"], GenerationCache, Int[Array, "b p l k"] | None]:
     with jax.named_scope("prefill"):
         b, p = tokens.shape
         cfg = nnx.merge(graphdef, params, buffers).cfg
         cache = GenerationCache.zeros(cfg, b, max_len)
         # RoPE position = slot - start: each row counts from its own first token; pad slots clip to 0.
         positions = jnp.maximum(jnp.arange(p, dtype=jnp.int32)[None] - start[:, None], 0)
-        logits, cache = apply_cached(graphdef, params, buffers, _rows(tokens), _rows(positions), cache, 0,
-                                     _rows(start))
-        return _replicated(logits[:, -1]), cache
+        logits, cache, routing = apply_cached_routed(graphdef, params, buffers, _rows(tokens), _rows(positions),
+                                                     cache, 0, _rows(start))
+        return _replicated(logits[:, -1]), cache, _routing_rows(routing)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len"))
+def _prefill(graphdef: nnx.GraphDef, params, buffers, tokens: Int[Array, "b p"], start: Int[Array, "b"],
+             max_len: int) -> tuple[Float[Array, "b v"], GenerationCache]:
+    return _prefill_routed_impl(graphdef, params, buffers, tokens, start, max_len)[:2]
+
+
+# The prefill that also returns the prompt's routing [b, p, moe layers, k] (None without MoE layers).
+_prefill_routed = jax.jit(_prefill_routed_impl, static_argnames=("graphdef", "max_len"))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p",
+                                             "record_routing"),
                    donate_argnames=("cache",))
 def _decode(graphdef: nnx.GraphDef, params, buffers, cache: GenerationCache, last_logits: Float[Array, "b v"],
-            start: Int[Array, "b"], key: Array, stop: Int[Array, "n_stop"], pad_id: Int[Array, ""], *,
-            max_new_tokens: int, temperature: float, top_k: int, top_p: float
+            start: Int[Array, "b"], key: Array, stop: Int[Array, "n_stop"], pad_id: Int[Array, ""],
+            prompt_routing: Int[Array, "b p l k"] | None = None, *,
+            max_new_tokens: int, temperature: float, top_k: int, top_p: float, record_routing: bool = False
             ) -> tuple[Generation, GenerationCache]:
     # The cache is donated and returned: input, while-loop carry and output share one buffer, so each step's
     # dynamic_update_slice writes one slot in place and the filled cache stays usable by the caller.
@@ -138,27 +159,36 @@ def _decode(graphdef: nnx.GraphDef, params, buffers, cache: GenerationCache, las
         tok, logp, done = pick(0, last_logits, jnp.zeros((b,), bool))
         out = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(tok)
         out_logp = jnp.zeros((b, max_new_tokens), jnp.float32).at[:, 0].set(logp)
-        state = (jnp.int32(1), cache, tok, done, jnp.ones((b,), jnp.int32), out, out_logp)
         first_slot = _first_slot(cache, max_new_tokens)
+        # Routing of the fed-back tokens, one slot each (at least one, so the loop body traces for n = 1).
+        routes = None
+        if record_routing and prompt_routing is not None:
+            routes = jnp.zeros((b, max(max_new_tokens - 1, 1), *prompt_routing.shape[2:]), jnp.int32)
+        state = (jnp.int32(1), cache, tok, done, jnp.ones((b,), jnp.int32), out, out_logp, routes)
 
         def cond(state):
             step, _, _, done, *_ = state
             return (step < max_new_tokens) & ~jnp.all(done)
 
         def body(state):
-            step, cache, tok, done, lengths, out, out_logp = state
+            step, cache, tok, done, lengths, out, out_logp, routes = state
             slot = first_slot + step - 1  # where the previous token's k/v go
             positions = (slot - start)[:, None]
-            logits, cache = apply_cached(graphdef, params, buffers, _rows(tok[:, None]), _rows(positions), cache,
-                                         slot, _rows(start))
+            logits, cache, routing = apply_cached_routed(graphdef, params, buffers, _rows(tok[:, None]),
+                                                         _rows(positions), cache, slot, _rows(start))
             new, logp, now_done = pick(step, _replicated(logits[:, 0]), done)
             lengths = lengths + (~done).astype(jnp.int32)
             out = jax.lax.dynamic_update_slice(out, new[:, None], (0, step))
             out_logp = jax.lax.dynamic_update_slice(out_logp, logp[:, None], (0, step))
-            return step + 1, cache, new, now_done, lengths, out, out_logp
+            if routes is not None:
+                routes = jax.lax.dynamic_update_slice(routes, _routing_rows(routing), (0, step - 1, 0, 0))
+            return step + 1, cache, new, now_done, lengths, out, out_logp, routes
 
-        _, cache, _, _, lengths, out, out_logp = jax.lax.while_loop(cond, body, state)
-        return Generation(tokens=out, logprobs=out_logp, lengths=lengths), cache
+        _, cache, _, _, lengths, out, out_logp, routes = jax.lax.while_loop(cond, body, state)
+        routing = None
+        if routes is not None:
+            routing = jnp.concatenate([prompt_routing, routes[:, :max_new_tokens - 1]], axis=1)
+        return Generation(tokens=out, logprobs=out_logp, lengths=lengths, routing=routing), cache
 
 
 def _first_slot(cache: GenerationCache, max_new_tokens: int) -> int:
@@ -170,7 +200,7 @@ def _first_slot(cache: GenerationCache, max_new_tokens: int) -> int:
 def generate(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int, max_len: int | None = None, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, stop_tokens: Sequence[int] = (), seed: int = 0, pad_id: int = 0,
-             prompt_len: int | None = None) -> Generation:
+             prompt_len: int | None = None, record_routing: bool = False) -> Generation:
     """Generate up to `max_new_tokens` after each prompt (a batch of token-id lists of any lengths).
 
     Runs under whatever mesh is current (`sharding.use_mesh(mesh)`), the batch split over its data x expert
@@ -182,17 +212,21 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, prom
     (one key per step, folded in from the seed); see `sample` for which distribution the returned log-probs
     are under. A row is done after a stop token (kept in its output) or max_new_tokens; the decode loop
     ends when every row is done. `prompt_len` pads the prompts to at least that many slots, so callers that
-    bucket prompt lengths reuse one compiled prefill per bucket. The model's MoE should be dropless
+    bucket prompt lengths reuse one compiled prefill per bucket. `record_routing`: also the experts every MoE
+    layer chose for every fed token (`Generation.routing`). The model's MoE should be dropless
     (moe_capacity_factor <= 0): with a capacity, rows of one batch (and pad tokens) compete for expert slots.
     """
     need = check_request(prompts, max_new_tokens, max_len, temperature, top_k, top_p, prompt_len=prompt_len)
     n = len(prompts)
     tokens, start = pad_batch(prompts, pad_id, prompt_len)
-    last_logits, cache = _prefill(graphdef, params, buffers, jnp.asarray(tokens), jnp.asarray(start), max_len=need)
+    prefill = _prefill_routed if record_routing else _prefill
+    last_logits, cache, *prompt_routing = prefill(graphdef, params, buffers, jnp.asarray(tokens), jnp.asarray(start),
+                                                  max_len=need)
+    prompt_routing = prompt_routing[0] if prompt_routing else None
     out, _ = _decode(graphdef, params, buffers, cache, last_logits, jnp.asarray(start), jax.random.key(seed),
-                     jnp.asarray(list(stop_tokens) or [-1], jnp.int32), jnp.int32(pad_id),
+                     jnp.asarray(list(stop_tokens) or [-1], jnp.int32), jnp.int32(pad_id), prompt_routing,
                      max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=int(top_k),
-                     top_p=float(top_p))
+                     top_p=float(top_p), record_routing=record_routing)
     return jax.tree.map(lambda x: x[:n], out) if len(tokens) > n else out
 
 

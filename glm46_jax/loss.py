@@ -6,15 +6,17 @@ Every term is a *sum over this batch divided by a normaliser* (`Norms`) that the
 for the whole global batch: gradient accumulation then sums micro-batch losses and gets exactly
 the gradient of one big batch (token means weighted by tokens, sequence means by sequences).
 
-The vocab axis of the logits is tensor-sharded. A gather of the label logit
-(`take_along_axis`, optax's integer-label CE) is ambiguous under Explicit sharding, so the
-label logit is picked with a one-hot laid out like the logits: every shard multiplies its own
-slice of the vocabulary and the sum over vocab becomes one small all-reduce.
+The vocab axis of the logits may be tensor-sharded. A gather of the label logit
+(`take_along_axis`, optax's integer-label CE) along a sharded axis is ambiguous under Explicit
+sharding, so there the label logit is picked with a one-hot mask laid out like the logits: every
+shard selects from its own slice of the vocabulary and the sum over vocab becomes one small
+all-reduce. With the vocab unsharded it is a gather. The backward is hand-written (`nll_and_lse`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -43,17 +45,78 @@ def _laid_out_like(x: Array, ref: Array) -> Array:
 
 def token_nll(logits: Float[Array, "b s v"], labels: Int[Array, "b s"]) -> Float[Array, "b s"]:
     """-log softmax(logits)[label] per position, in fp32, without gathering along vocab."""
-    return _nll_and_lse(logits, labels)[0]
+    return nll_and_lse(logits, labels)[0]
 
 
-def _nll_and_lse(logits, labels):
-    logits = logits.astype(jnp.float32)
+def nll_and_lse(logits: Float[Array, "*b v"], labels: Int[Array, "*b"]
+                ) -> tuple[Float[Array, "*b"], Float[Array, "*b"]]:
+    """(-log softmax(logits)[label], logsumexp(logits)) per position, in fp32 (the z-loss reads the lse)."""
+    return _nll_lse(logits.astype(jnp.float32), labels)
+
+
+def _labels_like(logits, labels):
+    """`labels` on the logits' (batch, seq) layout, and whether the logits' vocab axis is split over devices."""
     layout = jax.typeof(logits).sharding
-    if not layout.mesh.empty:
-        labels = jax.sharding.reshard(labels, layout.update(spec=jax.P(*layout.spec[:-1])))
-    one_hot = jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.float32, out_sharding=layout)
+    if layout.mesh.empty:
+        return labels, False
+    spec = tuple(layout.spec) + (None,) * (logits.ndim - len(layout.spec))
+    vocab_axes = spec[-1] if isinstance(spec[-1], tuple) else (spec[-1],) if spec[-1] else ()
+    shards = math.prod(layout.mesh.shape[a] for a in vocab_axes)
+    return jax.sharding.reshard(labels, layout.update(spec=jax.P(*spec[:-1]))), shards > 1
+
+
+def _vocab_replicated(logits):
+    """`logits` with the vocab axis typed unsharded: a no-op on the data when its mesh axes have size 1, and
+    what lets `take_along_axis` type its gather in Explicit mode."""
+    layout = jax.typeof(logits).sharding
+    if layout.mesh.empty:
+        return logits
+    spec = tuple(layout.spec) + (None,) * (logits.ndim - len(layout.spec))
+    return jax.sharding.reshard(logits, layout.update(spec=jax.P(*spec[:-1], None)))
+
+
+def _is_label(logits, labels):
+    """Boolean [.., vocab] mask of each position's label, laid out like the logits (each vocab shard compares
+    its own slice, so nothing is gathered along vocab)."""
+    labels, _ = _labels_like(logits, labels)
+    return jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.bool_, out_sharding=jax.typeof(logits).sharding)
+
+
+def _label_logit(logits, labels):
+    labels, vocab_sharded = _labels_like(logits, labels)
+    if vocab_sharded:  # a gather along a sharded axis is ambiguous in Explicit mode: a masked sum per shard
+        return jnp.sum(jnp.where(_is_label(logits, labels), logits, 0.0), axis=-1)
+    # XLA:CPU materialises the masked [b, s, vocab] select before reducing it; a gather reads b*s values.
+    return jnp.take_along_axis(_vocab_replicated(logits), labels[..., None], axis=-1)[..., 0]
+
+
+# A custom VJP: autodiff of lse - sum(logits * one_hot) keeps a float one-hot [b, s, vocab] as a residual and
+# leaves d logits as an elementwise expression that XLA:CPU fuses into each consumer of the lm_head's backward,
+# recomputing exp in each, once in the transposed layout the weight gradient's dot reads (a strided pass):
+# ~12% of the issue-16 anchor step on CPU, for no FLOPs. Here the backward is the closed form
+#   d logits = softmax * (g_nll + g_lse) - one_hot * g_nll
+# computed once (an optimization barrier stops XLA from duplicating it into both consumers; a plain transposed
+# copy is far cheaper than a transposed exp), and the residuals are the logits (alive anyway), the labels and the
+# [b, s] lse. Equal to autodiff up to float rounding; the lm_head + loss forward and backward take a third less.
+@jax.custom_vjp
+def _nll_lse(logits, labels):
+    return _nll_lse_fwd(logits, labels)[0]
+
+
+def _nll_lse_fwd(logits, labels):
     lse = jax.nn.logsumexp(logits, axis=-1)
-    return lse - jnp.sum(logits * one_hot, axis=-1), lse
+    return (lse - _label_logit(logits, labels), lse), (logits, labels, lse)
+
+
+def _nll_lse_bwd(res, cotangents):
+    logits, labels, lse = res
+    g_nll, g_lse = cotangents
+    softmax = jnp.exp(logits - lse[..., None])
+    d_logits = softmax * (g_nll + g_lse)[..., None] - jnp.where(_is_label(logits, labels), g_nll[..., None], 0.0)
+    return jax.lax.optimization_barrier(d_logits), None
+
+
+_nll_lse.defvjp(_nll_lse_fwd, _nll_lse_bwd)
 
 
 def cross_entropy(logits: Float[Array, "b s v"], labels: Int[Array, "b s"],
@@ -183,7 +246,7 @@ def loss_fn(params: nnx.State, buffers: nnx.State, batch: Batch, graphdef: nnx.G
     # Named for profiles: the loss terms' ops (and their backward) show up under loss/..., apart
     # from the model's forward.
     with jax.named_scope("loss"):
-        nll, lse = _nll_and_lse(out.logits, targets)
+        nll, lse = nll_and_lse(out.logits, targets)
         ce = masked_sum(nll, mask) / jnp.maximum(norms["tokens"], 1.0)
         loss = ce
         metrics: dict[str, Any] = {"ce": ce, "tokens": mask.sum().astype(jnp.float32)}

@@ -77,10 +77,11 @@ class ActivationEstimate:
     mtp: int  # the MTP layer (remat like the trunk), its inputs, the embedding output, final norm
     logits: int  # main + MTP logits with their fp32 copy and gradient
     moe_buffers_per_layer: int  # routed-expert dispatch + grouped-matmul buffers of one MoE layer
+    pipeline: int = 0  # a stage's micro-batch buffers (inputs, loop-back, outputs) and per-token router statistics
 
     @property
     def total(self) -> int:
-        return self.saved_layers + self.recompute + self.mtp + self.logits
+        return self.saved_layers + self.recompute + self.mtp + self.logits + self.pipeline
 
 
 def _moe_buffers_per_token(cfg: ModelConfig, mesh: Mapping[str, int], a: int) -> float:
@@ -175,13 +176,24 @@ def activation_estimate(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_b
     else:
         saved_dense = saved_moe = a * h
     n_dense, n_moe, n_mtp = cfg.num_dense_layers, cfg.num_moe_layers, cfg.num_nextn_predict_layers
-    rebuilt = [attn + dense] * bool(n_dense) + [attn + moe] * bool(n_moe)
+    # Pipeline stages (docs/pipeline.md#memory-and-traffic): a stage keeps, for each of its R M + S - 1
+    # iterations, its c layers' residuals of one micro-batch (S / M of the tokens around the trunk, which is
+    # data-parallel over `pipeline` outside it), plus the micro-batch buffers and per-token router statistics.
+    moe_tokens, rebuilt_moe, stage_buffers = float(n_moe), 1.0, 0.0
+    stages = mesh_sizes.get("pipeline", 1)
+    if stages > 1 and n_moe:
+        s_, r_ = stages, cfg.pipeline_repeats
+        m_ = cfg.pipeline_microbatches or stages
+        c_ = -(-n_moe // (s_ * r_))
+        moe_tokens, rebuilt_moe = c_ * (r_ * m_ + s_ - 1) * s_ / m_, s_ / m_
+        stage_buffers = s_ * (3 * a * h + r_ * c_ * 4 * (e + cfg.num_experts_per_tok))
+    rebuilt = [attn + dense] * bool(n_dense) + [(attn + moe) * rebuilt_moe] * bool(n_moe)
     per_token = ActivationEstimate(
-        saved_layers=n_dense * saved_dense + n_moe * saved_moe,
+        saved_layers=n_dense * saved_dense + moe_tokens * saved_moe,
         recompute=0 if remat == "none" else max(rebuilt, default=0),
         mtp=n_mtp * ((attn + moe if remat == "none" else saved_moe) + 7 * a * h) + 2 * a * h,
         logits=(1 + n_mtp) * -(-cfg.vocab_size // tp) * (a + 8),
-        moe_buffers_per_layer=routed)
+        moe_buffers_per_layer=routed, pipeline=stage_buffers)
     tokens = micro_batch * seq_len / context
     out = ActivationEstimate(*(math.ceil(tokens * v) for v in dataclasses.astuple(per_token)))
     if cfg.attention_impl == "blockwise":  # the tile of the layer being computed
@@ -191,6 +203,35 @@ def activation_estimate(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_b
 
 
 # --- the plan ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    """The pipeline schedule's idle fraction and its traffic per device per micro-step
+    (docs/pipeline.md#memory-and-traffic)."""
+    stages: int
+    repeats: int
+    microbatches: int
+    slots: int  # the MoE stack padded to stages x repeats x layers per chunk
+    bubble: float  # (S - 1) / (R M + S - 1)
+    p2p_bytes: int  # ppermute: one micro-batch's activations per iteration, forward and backward
+    boundary_bytes: int  # the all-gather into the stages and the all-reduce out of them, forward and backward
+
+
+def pipeline_plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_batch: int, seq_len: int
+                  ) -> PipelinePlan | None:
+    """None without pipeline stages. `micro_batch` sequences per batch shard around the trunk."""
+    s_ = mesh_sizes.get("pipeline", 1)
+    if s_ == 1 or not cfg.num_moe_layers:
+        return None
+    r_, m_ = cfg.pipeline_repeats, cfg.pipeline_microbatches or s_
+    c_ = -(-cfg.num_moe_layers // (s_ * r_))
+    act = np.dtype(cfg.dtype).itemsize * cfg.hidden_size
+    stage_tokens = s_ * micro_batch * seq_len  # a stage streams its whole (data x expert) shard's rows
+    p2p = 2 * (r_ * m_ + s_ - 1) * (stage_tokens // m_) * act
+    # ring all-gather in and all-reduce out: (S - 1) / S of the stage batch, 1x and 2x; the backward mirrors them
+    boundary = 2 * 3 * (s_ - 1) * stage_tokens * act // s_
+    return PipelinePlan(s_, r_, m_, s_ * r_ * c_, (s_ - 1) / (r_ * m_ + s_ - 1), p2p, boundary)
+
 
 @dataclasses.dataclass(frozen=True)
 class PlanResult:
@@ -216,6 +257,7 @@ class PlanResult:
     matmul_params_per_token: int  # the N of 6N (counting.matmul_params_per_token)
     flops_per_token: int
     device_memory: int | None = None
+    pipeline: PipelinePlan | None = None
 
     @property
     def optimizer(self) -> int:
@@ -278,7 +320,7 @@ class PlanResult:
         batch = (f"batch: micro-batch {self.micro_batch} x {self.seq_len}{split} = "
                  f"{self.micro_batch * self.seq_len // context} tokens per device; "
                  f"{self.micro_batch * self.data_parallel} sequences per micro-step over {self.data_parallel} batch "
-                 "shards (data x expert)")
+                 "shards (data x expert x pipeline)")
         if self.global_batch is not None:
             steps = self.global_batch // (self.micro_batch * self.data_parallel)
             batch += f"; global batch {self.global_batch} = {steps} accumulation steps"
@@ -292,9 +334,14 @@ class PlanResult:
             (f"model FLOPs per token: {self.flops_per_token / 1e9:.2f} GFLOP at seq {self.seq_len} (6 x "
              f"{self.matmul_params_per_token / 1e9:.2f}B matmul params + causal attention; fwd + bwd, no remat)"),
             batch,
-            "",
-            f"{'':42}{'per device':>14}{'all devices':>16}",
         ]
+        if (pp := self.pipeline) is not None:
+            lines.append(
+                f"pipeline: {pp.stages} stages x {pp.repeats} repeats, {pp.microbatches} micro-batches per batch shard: "
+                f"bubble {100 * pp.bubble:.1f}% ((S-1)/(RM+S-1)); MoE stack in {pp.slots} slots "
+                f"({pp.slots - cfg.num_moe_layers} identity); point-to-point {pp.p2p_bytes / GiB:.2f} GiB and "
+                f"stage boundary {pp.boundary_bytes / GiB:.2f} GiB per device per micro-step (fwd + bwd)")
+        lines += ["", f"{'':42}{'per device':>14}{'all devices':>16}"]
 
         def row(label: str, b: int):
             lines.append(f"{label:42}{b / GiB:>10.2f} GiB{b * n / GiB / 1024:>12.2f} TiB")
@@ -310,6 +357,8 @@ class PlanResult:
         row("  one layer rebuilt for its backward", act.recompute)
         row("  MTP layer, embeddings, norms", act.mtp)
         row("  logits (main + MTP)", act.logits)
+        if act.pipeline:
+            row("  pipeline micro-batch buffers", act.pipeline)
         row("total", self.total)
         lines.append(f"(one copy of the params: {self.unique_params_bytes / GiB:.2f} GiB; MoE dispatch buffers: "
                      f"{act.moe_buffers_per_layer / GiB:.2f} GiB per MoE layer, inside the activation estimate)")
@@ -341,7 +390,12 @@ def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None
     data_parallel = math.prod(sizes[a] for a in sharding.mesh_axes("batch"))
     if global_batch is not None and global_batch % (micro_batch * data_parallel):
         raise cli.InputError(f"train.global_batch={global_batch} is not a multiple of micro-batch {micro_batch} "
-                             f"x {data_parallel} batch shards (data x expert) = {micro_batch * data_parallel}")
+                             f"x {data_parallel} batch shards (data x expert x pipeline) = "
+                             f"{micro_batch * data_parallel}")
+    if sizes["pipeline"] > 1 and (sizes["pipeline"] * micro_batch) % (cfg.pipeline_microbatches or sizes["pipeline"]):
+        raise cli.InputError(f"--micro-batch={micro_batch}: a stage streams pipeline x micro-batch = "
+                             f"{sizes['pipeline'] * micro_batch} rows in model.pipeline_microbatches="
+                             f"{cfg.pipeline_microbatches or sizes['pipeline']} micro-batches; make them divide")
 
     from glm46_jax.model import abstract_model  # the model pulls in flax; keep `--help` fast
 
@@ -375,10 +429,12 @@ def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None
     # whole step; one layer's gathered weights and gradients at a time. Without remat the backward
     # keeps every layer's gathered weights (in the compute dtype) as residuals of its matmuls.
     largest = max(layer_gathered.values(), default=0)
+    pp = pipeline_plan(cfg, sizes, micro_batch, seq_len)
     gathered_weights = 2 * (head_gathered + largest)
     if remat == "none":
         ratio = np.dtype(cfg.dtype).itemsize / np.dtype(cfg.param_dtype).itemsize
-        per_layer = {"dense_layers": cfg.num_dense_layers, "moe_layers": cfg.num_moe_layers}
+        moe_here = (cfg.num_moe_layers if pp is None else pp.slots // pp.stages)  # a stage keeps only its own
+        per_layer = {"dense_layers": cfg.num_dense_layers, "moe_layers": moe_here}
         gathered_weights += int(ratio * sum(layer_gathered.get(k, 0) * v for k, v in per_layer.items()))
 
     return PlanResult(
@@ -389,7 +445,7 @@ def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None
         activations=activation_estimate(cfg, sizes, micro_batch, seq_len, remat),
         counts=param_counts(cfg), muon_params=n_muon, adam_params=n_adam, unique_params_bytes=unique,
         matmul_params_per_token=matmul_params_per_token(cfg), flops_per_token=flops_per_token(cfg, seq_len),
-        device_memory=device_memory)
+        device_memory=device_memory, pipeline=pp)
 
 
 # --- command line ------------------------------------------------------------------------------

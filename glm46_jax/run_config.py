@@ -126,6 +126,74 @@ def sft_steps(sft: SFTConfig, train_steps: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """`--config.rl.<field>` (recipe "grpo"): prompts, sampling, the GRPO objective, rewards, curriculum
+    (docs/rl.md#configuration)."""
+    prompts: str = "data/rl_addition/prompts_train.jsonl"  # JSONL: {"prompt", "answer" | "tests", "difficulty"?}
+    heldout: str = "data/rl_addition/prompts_heldout.jsonl"  # held-out accuracy (eval/accuracy)
+    tokenizer: str = ""  # "" = the tokenizer of checkpoint.init_from's run
+    chat: bool = True  # prompts as a user turn of the chat format (no thinking); else raw text
+    method: str = "full"  # full | lora
+    group_size: int = 8  # G samples per prompt
+    prompts_per_step: int = 8  # groups per rollout
+    minibatches: int = 2  # optimizer steps per pass over a rollout
+    epochs: int = 1  # passes over each rollout
+    rollouts: int = 20  # the run's length when train.steps = 0
+    max_prompt_len: int = 32
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    advantage: str = "grpo"  # grpo | drgrpo | rloo
+    adv_eps: float = 1e-6
+    clip_low: float = 0.2
+    clip_high: float = 0.28  # DAPO's clip-higher
+    aggregation: str = "token"  # token | sequence | constant
+    kl_coef: float = 0.0  # > 0: k3 KL to the starting policy (GLM-4.5: none)
+    routing_replay: bool = True
+    rewards: tuple[str, ...] = ("exact_answer",)
+    reward_weights: tuple[float, ...] = (1.0,)
+    pass_threshold: float = 1.0  # a sample passes when its weighted reward reaches this
+    dynamic_sampling: bool = True  # drop groups whose rewards all agree, refill from the pool
+    max_refill_rounds: int = 3
+    curriculum_buckets: int = 1
+    curriculum_advance_at: float = 0.8
+    curriculum_ema: float = 0.7
+    code_timeout_s: float = 5.0
+    code_memory_mb: int = 512
+    eval_batch: int = 32  # held-out prompts per eval batch (train.eval_batches of them)
+
+    def __post_init__(self):
+        for f in ("group_size", "prompts_per_step", "minibatches", "epochs", "rollouts", "max_prompt_len",
+                  "max_new_tokens", "curriculum_buckets", "code_memory_mb", "eval_batch"):
+            check_range("rl", self, f, ge=1)
+        _at_least("rl", self, 0, "max_refill_rounds", "kl_coef", "adv_eps")
+        check_range("rl", self, "temperature", gt=0, meaning="sampling temperature (the trainer divides logits "
+                    "by it too, so the log-probs agree)")
+        check_range("rl", self, "clip_low", ge=0, le=1)
+        check_range("rl", self, "clip_high", ge=0)
+        check_range("rl", self, "code_timeout_s", gt=0)
+        check_range("rl", self, "curriculum_ema", ge=0, le=1)
+        check_choice("rl", self, "method", ("full", "lora"))
+        check_choice("rl", self, "advantage", ("grpo", "drgrpo", "rloo"))
+        check_choice("rl", self, "aggregation", ("token", "sequence", "constant"))
+        check_field("rl", "minibatches", self.minibatches,
+                    (self.prompts_per_step * self.group_size) % self.minibatches == 0,
+                    f"must divide the rollout's prompts_per_step x group_size = "
+                    f"{self.prompts_per_step * self.group_size} samples", "set --config.rl.minibatches")
+        check_field("rl", "rewards", self.rewards, len(self.rewards) == len(self.reward_weights) > 0,
+                    f"needs one weight each (reward_weights={self.reward_weights})",
+                    "set --config.rl.rewards and --config.rl.reward_weights to lists of the same length")
+
+    @property
+    def updates_per_rollout(self) -> int:
+        return self.minibatches * self.epochs
+
+
+def rl_steps(rl: RLConfig, train_steps: int) -> int:
+    """train.steps when > 0, else rollouts x (optimizer steps per rollout)."""
+    return train_steps if train_steps > 0 else rl.rollouts * rl.updates_per_rollout
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
     data: int = 1
     tensor: int = 1
@@ -198,16 +266,39 @@ class RunConfig:
     # The config file's values as given (JSON): written to run_dir/config.json and the checkpoints' meta,
     # so a run can be reproduced from them.
     source: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
-    recipe: str = "pretrain"  # pretrain (and mid-training) | sft
+    recipe: str = "pretrain"  # pretrain (and mid-training) | sft | grpo
     sft: SFTConfig | None = None  # recipe "sft": the chat data and full vs LoRA
-    lora: LoRAConfig | None = None  # sft.method "lora": the adapters
+    lora: LoRAConfig | None = None  # sft.method / rl.method "lora": the adapters
+    rl: RLConfig | None = None  # recipe "grpo": reinforcement learning with verifiable rewards
 
     def __post_init__(self):
-        check_choice("config", self, "recipe", ("pretrain", "sft"))
+        check_choice("config", self, "recipe", ("pretrain", "sft", "grpo"))
+        if self.recipe == "grpo" and self.rl is None:
+            raise InputError("recipe=grpo needs a config.rl section (see configs/grpo.py)")
+        if self.recipe == "grpo" and self.rl.method == "lora" and self.lora is None:
+            raise InputError("rl.method=lora needs a config.lora section (rank, alpha, targets; see configs/sft.py)")
         if self.recipe == "sft" and self.sft is None:
             raise InputError("recipe=sft needs a config.sft section (see configs/sft.py)")
         if self.recipe == "sft" and self.sft.method == "lora" and self.lora is None:
             raise InputError("sft.method=lora needs a config.lora section (rank, alpha, targets; see configs/sft.py)")
+        stages = self.mesh.sizes().get("pipeline", 1)
+        # Combinations the pipeline's slot-ordered MoE stack does not support (docs/pipeline.md#limits).
+        if stages > 1 and self.recipe == "sft" and self.sft.method == "lora":
+            raise InputError(f"mesh.pipeline={stages} with sft.method=lora: LoRA adapters are not built for the "
+                             "pipeline's layer layout; set mesh.pipeline=1 (or sft.method=full)")
+        if stages > 1 and self.recipe == "grpo":
+            raise InputError(f"mesh.pipeline={stages} with recipe grpo: RL samples with the KV-cache generator and "
+                             "replays routing, which run the layers in order, not in pipeline stages; set "
+                             "mesh.pipeline=1 (give the devices to mesh.data or mesh.expert)")
+        context = self.mesh.sizes().get("context", 1)
+        if context > 1 and self.recipe == "grpo":
+            raise InputError(f"mesh.context={context} with recipe grpo: RL samples with the KV-cache generator, "
+                             "which keeps each sequence whole on a device; set mesh.context=1 (give the devices to "
+                             "mesh.data or mesh.expert)")
+        if stages > 1 and self.optim.layer_decay != 1.0:
+            raise InputError(f"mesh.pipeline={stages} with optim.layer_decay={self.optim.layer_decay}: layer-wise lr "
+                             "decay counts depth in layer order, not the pipeline's slot order; set "
+                             "optim.layer_decay=1.0 or mesh.pipeline=1")
         metric = self.checkpoint.best_metric
         if self.checkpoint.keep_best and metric.count("/") > 1 and not self.train.eval_per_domain:
             raise InputError(f"checkpoint.best_metric={metric!r} is a per-domain metric, which only "
@@ -217,6 +308,8 @@ class RunConfig:
     def total_steps(self) -> int:
         if self.recipe == "sft":
             return sft_steps(self.sft, self.train.steps)
+        if self.recipe == "grpo":
+            return rl_steps(self.rl, self.train.steps)
         return total_steps(self.data, self.train)
 
 
@@ -245,7 +338,19 @@ def from_config_dict(config: Any) -> RunConfig:
     recipe = d.get("recipe", "pretrain")
     sft = _section(SFTConfig, "sft", d["sft"]) if d.get("sft") is not None else None
     lora = LoRAConfig.from_dict(d["lora"]) if d.get("lora") is not None else None
-    total = sft_steps(sft, train_cfg.steps) if recipe == "sft" and sft else total_steps(data_cfg, train_cfg)
+    rl = None
+    if d.get("rl") is not None:
+        rl_values = dict(d["rl"])
+        for key in ("rewards", "reward_weights"):  # JSON lists -> the dataclass's tuples
+            if isinstance(rl_values.get(key), list):
+                rl_values[key] = tuple(rl_values[key])
+        rl = _section(RLConfig, "rl", rl_values)
+    if recipe == "sft" and sft:
+        total = sft_steps(sft, train_cfg.steps)
+    elif recipe == "grpo" and rl:
+        total = rl_steps(rl, train_cfg.steps)
+    else:
+        total = total_steps(data_cfg, train_cfg)
     optim = dict(d["optim"])
     if optim.get("decay_steps", 0) <= 0:  # 0 = the schedule spans the run
         optim["decay_steps"] = total
@@ -255,7 +360,26 @@ def from_config_dict(config: Any) -> RunConfig:
         checkpoint=_section(CheckpointConfig, "checkpoint", d["checkpoint"]), data=data_cfg,
         distributed=_section(DistributedConfig, "distributed", d.get("distributed", {})),
         optim=_section(OptimConfig, "optim", optim), loss=_section(LossConfig, "loss", d["loss"]),
-        balance=_section(BalanceConfig, "balance", d["balance"]), source=d, recipe=recipe, sft=sft, lora=lora)
+        balance=_section(BalanceConfig, "balance", d["balance"]), source=d, recipe=recipe, sft=sft, lora=lora, rl=rl)
+
+
+def fine_tuning_config(config_dir: str, recipe: str, preset: str, p: Mapping[str, Any]) -> Any:
+    """configs/pretrain.py:<p["base"]> set up to continue another run's weights as `recipe` ("sft", "grpo").
+
+    From the preset dict `p`: checkpoint.init_from and the checkpoint / train / optim overrides; the lr schedule
+    spans this run (decay_steps 0). Fine-tuning comes after GLM's 15T-token boundary: the MTP loss is at its later
+    weight from the start and loss-free balancing is off (the correction biases stay as trained). The recipe's own
+    section (sft, rl, lora) is the caller's.
+    """
+    c = config_file(os.path.join(config_dir, "pretrain.py"), p["base"])
+    c.recipe = recipe
+    c.run_dir = f"runs/{recipe}_{preset}"
+    c.checkpoint.update(init_from=p["init_from"], **p["checkpoint"])
+    c.train.update(**p["train"])
+    c.optim.update(decay_steps=0, **p["optim"])
+    c.loss.update(mtp_boundary_tokens=0.0)
+    c.balance.update(boundary_tokens=0.0, rate_after=0.0)
+    return c
 
 
 def config_file(path: str, preset: str) -> Any:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
@@ -23,14 +24,17 @@ MESH_AXES = ("data", "tensor", "expert", "pipeline", "context")
 
 # logical name -> mesh axis (or tuple of axes, or None = replicated).
 # Parameters are FSDP-sharded over `data` through their "embed" dimension (ZeRO-3 style).
+# Outside the pipelined MoE trunk the `pipeline` axis is one more data-parallel axis; inside a stage it is
+# manual, and `logical` leaves it out (docs/pipeline.md#layout).
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "expert")),
+    ("batch", ("data", "expert", "pipeline")),
     ("seq", "context"),
     # The MoE shard_map's flattened (batch x seq) token axis: a sequence's context shards are more token shards.
-    ("tokens", ("data", "expert", "context")),
+    ("tokens", ("data", "expert", "pipeline", "context")),
     ("cache_slots", None),  # KV-cache slots: generation keeps a sequence whole
     ("act_embed", None),
     ("layers", None),
+    ("stage_layers", "pipeline"),  # the MoE stack in pipeline slot order: stage-major, one block per stage
     ("vocab", "tensor"),
     ("embed", "data"),
     ("embed_moe", "data"),
@@ -117,10 +121,9 @@ def validate_mesh(sizes: Mapping[str, int], cfg, global_batch: int | None = None
             raise InputError(f"{what}={dim} is not divisible by the {' x '.join(axes)} mesh size {n} ({fields}); "
                              f"{fix}")
 
-    if sizes.get("pipeline", 1) > 1:  # no logical axis maps to it yet: each replica would repeat the same work
-        raise InputError(f"mesh.pipeline={sizes['pipeline']}: pipeline stages are not built yet, so the pipeline "
-                         "replicas would all do the same work; set mesh.pipeline=1 and give the devices to "
-                         "mesh.data, mesh.expert or mesh.tensor")
+    if sizes.get("pipeline", 1) > 1:
+        from glm46_jax.model.pipeline import validate  # the schedule's own constraints live with the schedule
+        validate(cfg, sizes, global_batch)
     if sizes.get("context", 1) > 1 and cfg.attention_impl != "blockwise":
         raise InputError(f"model.attention_impl={cfg.attention_impl!r}: a sequence split over mesh.context="
                          f"{sizes['context']} needs attention_impl='blockwise' (queries of one shard attend to the "
@@ -133,8 +136,10 @@ def validate_mesh(sizes: Mapping[str, int], cfg, global_batch: int | None = None
     # Parameters are FSDP-sharded over `data` through their model dimension.
     need(cfg.hidden_size, ("data",), "model.hidden_size", "choose a mesh.data that divides it")
     if global_batch is not None:
-        need(global_batch, mesh_axes("batch"), "train.global_batch",
-             "the batch is split over the data and expert axes; make it a multiple of their product")
+        # Outside the pipelined trunk the batch is split over `pipeline` too; named only when it is in use.
+        axes = tuple(a for a in mesh_axes("batch") if a != "pipeline" or sizes.get(a, 1) > 1)
+        need(global_batch, axes, "train.global_batch",
+             f"the batch is split over the {' and '.join(axes)} axes; make it a multiple of their product")
 
 
 def check_context_split(seq_len: int, context: int, field: str) -> None:
@@ -167,9 +172,22 @@ def context_size() -> int:
 
 
 def logical(*names: str | None) -> PartitionSpec:
-    """PartitionSpec for an array whose axes have these logical names."""
+    """PartitionSpec for an array whose axes have these logical names.
+
+    Mesh axes that are manual here (inside a pipeline stage's shard_map: `pipeline`) are left out: a
+    stage's arrays are laid out over the remaining axes only.
+    """
     rules = dict(LOGICAL_RULES)
-    return PartitionSpec(*(rules.get(n) if n is not None else None for n in names))
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+
+    def spec(name):
+        axes = rules.get(name) if name is not None else None
+        if axes is None or not manual:
+            return axes
+        kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in manual)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return PartitionSpec(*(spec(n) for n in names))
 
 
 def mesh_axes(name: str) -> tuple[str, ...]:
@@ -201,9 +219,14 @@ def flatten_tokens(x: jax.Array) -> jax.Array:
     if jax.sharding.get_abstract_mesh().empty:
         return x.reshape(-1, *x.shape[2:])
     rest = (None,) * (x.ndim - 2)
+    if context_size() == 1:  # rows stay whole: a global reshape is the per-device one (and needs no shard_map,
+        # which inside a pipeline stage autodiff could not transpose: docs/pipeline.md#nested-shard-map)
+        x = jax.sharding.reshard(x, logical("batch", None, *rest))
+        return jax.sharding.reshard(x.reshape(-1, *x.shape[2:]), logical("tokens", *rest))
     rows = logical("batch", "seq", *rest)
-    return jax.shard_map(lambda a: a.reshape(-1, *a.shape[2:]), in_specs=rows,
-                         out_specs=logical("tokens", *rest))(jax.sharding.reshard(x, rows))
+    mapped = shard_map(lambda a: (a.reshape(-1, *a.shape[2:]),), (rows,), (logical("tokens", *rest),),
+                       diff_argnums=_float_args(x))
+    return mapped(jax.sharding.reshard(x, rows))[0]
 
 
 def unflatten_tokens(x: jax.Array, b: int, s: int) -> jax.Array:
@@ -211,12 +234,23 @@ def unflatten_tokens(x: jax.Array, b: int, s: int) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x.reshape(b, s, *x.shape[1:])
-    sizes = dict(mesh.shape)
-    local_b, local_s = b // math.prod(sizes[a] for a in mesh_axes("batch")), s // sizes["context"]
     rest = (None,) * (x.ndim - 1)
+    if context_size() == 1:
+        x = jax.sharding.reshard(x, logical("batch", *rest))  # the same devices' blocks: context is 1
+        return jax.sharding.reshard(x.reshape(b, s, *x.shape[1:]), logical("batch", "seq", *rest))
+    sizes = dict(mesh.shape)
+    # The batch spec's axes, not mesh_axes("batch"): inside a pipeline stage `pipeline` is manual and `b` local.
+    batch_axes = logical("batch")[0]
+    batch_axes = () if batch_axes is None else (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+    local_b, local_s = b // math.prod(sizes[a] for a in batch_axes), s // sizes["context"]
     tokens = logical("tokens", *rest)
-    return jax.shard_map(lambda a: a.reshape(local_b, local_s, *a.shape[1:]), in_specs=tokens,
-                         out_specs=logical("batch", "seq", *rest))(jax.sharding.reshard(x, tokens))
+    mapped = shard_map(lambda a: (a.reshape(local_b, local_s, *a.shape[1:]),), (tokens,),
+                       (logical("batch", "seq", *rest),), diff_argnums=_float_args(x))
+    return mapped(jax.sharding.reshard(x, tokens))[0]
+
+
+def _float_args(*args: jax.Array) -> tuple[int, ...]:
+    return tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.inexact))
 
 
 def whole_along(x: jax.Array, axis: int) -> jax.Array:
@@ -235,3 +269,75 @@ def use_mesh(mesh: jax.sharding.Mesh) -> Iterator[jax.sharding.Mesh]:
     """Context in which NNX modules are created and the model runs: mesh + logical rules."""
     with jax.set_mesh(mesh), nnx.logical_axis_rules(LOGICAL_RULES):
         yield mesh
+
+
+def shard_map(local: Callable[..., tuple], in_specs: tuple, out_specs: tuple, *, diff_argnums: Sequence[int],
+              diff_outnums: Sequence[int] = (0,)) -> Callable[..., tuple]:
+    """`jax.shard_map(local, ...)` that can also be differentiated inside a pipeline stage.
+
+    Outside a shard_map this is the plain one. Inside a pipeline stage (manual over `pipeline`) JAX 0.12 cannot
+    transpose a nested shard_map (its residuals get the wrong local shapes: docs/pipeline.md#nested-shard-map), so
+    there the VJP is written out: the primal inputs are the only residuals and `local` is recomputed under `jax.vjp`
+    in the backward's own shard_map. `local` returns a tuple; gradients flow to the inputs `diff_argnums` from
+    the outputs `diff_outnums` (the others are statistics: no cotangent).
+    """
+    nested = bool(jax.sharding.get_abstract_mesh().manual_axes)
+    # Nested, varying-axis checks stay off: JAX 0.12 would give the residuals it splits off this shard_map
+    # the outer manual axis too.
+    mapped = jax.shard_map(local, in_specs=in_specs, out_specs=out_specs, check_vma=not nested)
+    if not nested:
+        return mapped
+
+    def forward(*args):
+        # check_vma=False types the outputs as invariant over the outer manual axis although they vary with
+        # the stage; left so, autodiff would psum their cotangents over the stages. No autodiff runs here.
+        outer = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in args))
+        return tuple(jax.lax.pcast(o, tuple(sorted(outer - jax.typeof(o).manual_axis_type.varying)), to="varying")
+                     for o in mapped(*args))
+
+    if not diff_argnums:  # integer inputs (router choices): nothing to differentiate
+        return forward
+
+    @jax.custom_vjp
+    def run(*args):
+        return forward(*args)
+
+    def fwd(*args):
+        return forward(*args), args
+
+    def bwd(args, cts):
+        def local_bwd(*args_and_cts):
+            primals, cts = args_and_cts[:len(args)], args_and_cts[len(args):]
+
+            def differentiable(*diff):
+                full = list(primals)
+                for i, a in zip(diff_argnums, diff):
+                    full[i] = a
+                outs = local(*full)
+                return tuple(outs[j] for j in diff_outnums)
+            outs, pullback = jax.vjp(differentiable, *(primals[i] for i in diff_argnums))
+            return pullback(tuple(cotangent_like(ct, o) for ct, o in zip(cts, outs)))
+
+        grads = jax.shard_map(local_bwd, in_specs=(*in_specs, *(out_specs[j] for j in diff_outnums)),
+                              out_specs=tuple(in_specs[i] for i in diff_argnums))(
+                                  *args, *(cts[j] for j in diff_outnums))
+        full = [None] * len(args)
+        for i, g in zip(diff_argnums, grads):
+            full[i] = g
+        return tuple(full)
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
+def cotangent_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """Give a cotangent its primal's varying mesh axes inside a shard_map (no-op outside one).
+
+    Autodiff inserts these itself: where the forward mixed an operand with one that varies over
+    more axes (x with tensor-sharded weights), the transpose of that implicit `pvary` is a psum.
+    """
+    varying = lambda a: jax.typeof(a).manual_axis_type.varying  # noqa: E731
+    extra = tuple(sorted(varying(ct) - varying(primal)))
+    ct = jax.lax.psum(ct, extra) if extra else ct
+    missing = tuple(sorted(varying(primal) - varying(ct)))
+    return jax.lax.pcast(ct, missing, to="varying") if missing else ct

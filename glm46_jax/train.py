@@ -4,8 +4,9 @@
 
 The config file (ml_collections, with `--config.x.y=` overrides) is turned into a typed
 `run_config.RunConfig` once, in `main`; a bad value stops the run there with one line (exit 2).
-The recipe is pre-training over the curriculum (`pretrain.Pretraining`), or with `recipe="sft"`
-fine-tuning on chat data (`sft.FineTuning`, configs/sft.py); the loop around the step (evaluation,
+The recipe is pre-training over the curriculum (`pretrain.Pretraining`), with `recipe="sft"`
+fine-tuning on chat data (`sft.FineTuning`, configs/sft.py), or with `recipe="grpo"` reinforcement learning
+with verifiable rewards (`rl.recipe.GRPO`, configs/grpo.py); the loop around the step (evaluation,
 bad steps, metrics, checkpoints, preemption) is `trainer.fit`'s.
 
 Writes to `run_dir`: config.json (the config as given), tokenizer.json (the corpus's),
@@ -69,7 +70,14 @@ def train(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
         os.makedirs(cfg.run_dir, exist_ok=True)
         atomic.write_json(os.path.join(cfg.run_dir, "config.json"), cfg.source)
 
-    if cfg.recipe == "sft":  # fine-tuning loads its base weights (init_from) itself: LoRA keeps them frozen
+    if cfg.recipe == "grpo":  # like fine-tuning: the policy's starting weights (init_from) are loaded by build
+        from glm46_jax.rl import recipe as rl_recipe
+        recipe, state = rl_recipe.build(cfg, devices)
+        recipe.tokenizer = rl_recipe.run_tokenizer(cfg, is_main)
+        init_from = ""
+        logging.info("%d GRPO steps (%d per rollout) on %s", recipe.total_steps, cfg.rl.updates_per_rollout,
+                     cfg.rl.prompts)
+    elif cfg.recipe == "sft":  # fine-tuning loads its base weights (init_from) itself: LoRA keeps them frozen
         from glm46_jax import sft
         recipe, state = sft.build(cfg, devices)
         recipe.tokenizer = _run_tokenizer(cfg.run_dir, cfg.sft.root, is_main)
@@ -89,7 +97,7 @@ def train(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
             ckpt, state, resume=c.resume, init_from=init_from, model_cfg=cfg.model, mesh=recipe.mesh,
             shared_data=recipe.global_rows)
         _check_not_finished(start_step, recipe.total_steps, ckpt)
-        recipe.start(data_state)
+        recipe.start(data_state, state) if cfg.recipe == "grpo" else recipe.start(data_state)
         with trainer.Preemption(multi_process=jax.process_count() > 1) as stop:
             state, summary = trainer.fit(recipe, state, ckpt, cfg.train, run_dir=cfg.run_dir, start_step=start_step,
                                          stop=stop, shared_data=recipe.global_rows)
@@ -113,6 +121,8 @@ def train(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
 
 def _summary_lines(s: dict[str, Any]) -> str:
     held_out = format(s["eval/ce"], ".3f") if "eval/ce" in s else "n/a: no eval ran"
+    if "eval/accuracy" in s:  # an RL run's held-out metric
+        held_out = f"n/a; held-out accuracy {s['eval/accuracy']:.3f}"
     mfu = f"{s['mfu']:.1%} MFU vs {s['mfu_peak_source']}" if s["mfu"] else "MFU n/a"
     return (f"start loss {s['start_loss']:.3f} -> end loss {s['end_loss']:.3f} (next-token CE, nats/token; mean of "
             f"the last {s['end_window']} steps; total loss with MTP and aux: {s['start_total_loss']:.3f} -> "

@@ -30,6 +30,7 @@ from jaxtyping import Array, Int
 from glm46_jax import balancing
 from glm46_jax.config import ModelConfig
 from glm46_jax.loss import Batch, LossConfig, batch_norms, loss_fn
+from glm46_jax.model import pipeline
 
 Controls = dict[str, Array]  # "mtp_weight", "bias_rate": float32 scalars chosen by the host per step
 
@@ -152,12 +153,15 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cf
 
         # Balancing uses this step's loads; a skipped step moves nothing.
         rate = jnp.where(applied, ctrl["bias_rate"], 0.0)
-        buffers = balancing.update_buffers(state.buffers, metrics, rate, include_mtp=step_cfg.balance_mtp)
+        loads = {**metrics, "expert_load": pipeline.in_stored_order(metrics["expert_load"], cfg)} \
+            if "expert_load" in metrics else metrics
+        buffers = balancing.update_buffers(state.buffers, loads, rate, include_mtp=step_cfg.balance_mtp)
 
         n_params = sum(x.size for x in jax.tree.leaves(params))
         out = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
         out.update(balancing.describe_loads(metrics))
-        out.update({f"bias_{k}": v for k, v in balancing.bias_stats(buffers).items()})
+        bias_stats = balancing.bias_stats(pipeline.layer_ordered(buffers, cfg))  # identity slots left out
+        out.update({f"bias_{k}": v for k, v in bias_stats.items()})
         out.update(ppl=jnp.exp(metrics["ce"]), grad_norm=grad_norm, spike=spike.astype(jnp.int32),
                    update_rms=optax.tree.norm(updates) / jnp.sqrt(n_params),
                    mtp_weight=ctrl["mtp_weight"], bias_rate=rate)

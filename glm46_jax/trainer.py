@@ -228,7 +228,8 @@ class Programs:
             per_batch = jax.device_get([eval_step(state, b, controls) for b in batches])
             prefix = f"eval/{name}/" if name else "eval/"
             out.update({f"{prefix}{k}": float(np.mean([m[k] for m in per_batch])) for k in per_batch[0]})
-            out[f"{prefix}ppl"] = float(np.exp(out[f"{prefix}ce"]))  # of the mean CE, not the mean of ppls
+            if f"{prefix}ce" in out:  # (an RL recipe's held-out metrics are accuracies, no CE)
+                out[f"{prefix}ppl"] = float(np.exp(out[f"{prefix}ce"]))  # of the mean CE, not the mean of ppls
         return out
 
 

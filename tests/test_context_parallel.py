@@ -6,15 +6,16 @@ import dataclasses
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm46_jax import sharding
+from glm46_jax import run_config, sharding
 from glm46_jax.cli import InputError
 from glm46_jax.config import TINY
 from glm46_jax.data import loader
 from glm46_jax.loss import LossConfig, loss_fn
-from glm46_jax.model import abstract_model, apply, init_model
+from glm46_jax.model import GenerationCache, abstract_model, apply, apply_cached, init_model, pipeline
 
 SEQ, ROWS = 2048, 2
 # 1 dense + 1 MoE layer + MTP, dropless (capacity drops depend on token order, so only dropless is order-free).
@@ -89,7 +90,10 @@ def _step(graphdef, cfg):
 
 def _run(cfg, mesh, params, buffers, batch):
     graphdef, abs_params, abs_buffers = abstract_model(cfg, mesh)
-    put = lambda tree, like: jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), tree, like)  # noqa: E731
+
+    def put(tree, like):  # leaf by leaf: on a pipeline mesh the abstract tree's axis metadata names differ
+        placed = [jax.device_put(x, a.sharding) for x, a in zip(jax.tree.leaves(tree), jax.tree.leaves(like))]
+        return jax.tree.unflatten(jax.tree.structure(like), placed)
     with sharding.use_mesh(mesh):
         metrics, grads, logits, mtp_logits = _step(graphdef, cfg)(
             put(params, abs_params), put(buffers, abs_buffers), loader.to_global(batch, mesh))
@@ -134,6 +138,30 @@ def test_context_shards_match_one_device(reference, mesh_shape, dispatch):
         _close(b, a, jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("mesh_shape, rows", [
+    ({"pipeline": 2, "context": 2, "tensor": 2}, 2),
+    pytest.param({"pipeline": 2, "context": 2, "expert": 2}, 4, marks=pytest.mark.slow),
+], ids=lambda m: ",".join(f"{k}{v}" for k, v in m.items()) if isinstance(m, dict) else f"rows{m}")
+def test_context_shards_compose_with_pipeline_stages(mesh1, mesh_shape, rows):
+    """1 dense + 2 MoE layers (one per stage): inside a stage the context attention and the MoE dispatch are
+    shard_maps nested in the pipeline's, with hand-written backward passes; every gradient must still match."""
+    cfg = dataclasses.replace(CFG, num_hidden_layers=3)  # 2 micro-batches (one per stage)
+    batch = _packed_rows(np.random.default_rng(2), rows, SEQ)
+    _, params, buffers = init_model(cfg, mesh1, seed=0)
+    want_metrics, want_grads, want_logits, want_mtp = _run(cfg, mesh1, params, buffers, batch)
+    mesh = sharding.make_mesh(mesh_shape, cfg=cfg, global_batch=rows)
+    _, params, buffers = init_model(cfg, mesh, seed=0)  # the same weights, the MoE stack in stage slot order
+    metrics, grads, logits, mtp_logits = _run(cfg, mesh, params, buffers, batch)
+    _close(logits, want_logits, "logits")
+    _close(mtp_logits, want_mtp, "mtp logits")
+    for k, v in want_metrics.items():
+        _close(metrics[k], v, k)
+    placed = [jax.device_put(g, p.sharding) for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params))]
+    grads = jax.device_get(pipeline.in_layer_order(jax.tree.unflatten(jax.tree.structure(grads), placed), cfg))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want_grads), jax.tree.leaves(grads)):
+        _close(b, a, jax.tree_util.keystr(path))
+
+
 # --- errors --------------------------------------------------------------------------------------------------
 
 def test_context_needs_blockwise_attention():
@@ -142,6 +170,23 @@ def test_context_needs_blockwise_attention():
             sharding.validate_mesh(sharding.mesh_shape({"context": 2, "data": 4}, 8),
                                    dataclasses.replace(CFG, attention_impl=impl))
     sharding.validate_mesh(sharding.mesh_shape({"context": 2, "data": 4}, 8), CFG)
+
+
+def test_generation_and_rl_refuse_a_context_mesh():
+    """The KV-cache generator keeps a sequence whole: RL on a context mesh is a config error, generation there a
+    clear ValueError (never a silently gathered sequence)."""
+    from test_pipeline import _config_file
+
+    rl = _config_file("grpo", "tiny")
+    rl.mesh = {"data": -1, "context": 2}
+    rl.model.attention_impl = "blockwise"
+    with pytest.raises(InputError, match=r"mesh.context=2 with recipe grpo: .* set mesh.context=1"):
+        run_config.from_config_dict(rl)
+    mesh = sharding.make_mesh({"context": 2, "data": 4}, cfg=CFG)
+    graphdef, params, buffers = init_model(CFG, mesh)
+    with sharding.use_mesh(mesh), pytest.raises(ValueError, match="generation keeps each sequence whole"):
+        apply_cached(graphdef, params, buffers, jnp.zeros((8, 1), jnp.int32), jnp.zeros((8, 1), jnp.int32),
+                     GenerationCache.zeros(CFG, 8, 4), 0, jnp.zeros(8, jnp.int32))
 
 
 def test_sequence_must_split_into_two_chunks_per_context_shard():
@@ -231,5 +276,9 @@ def test_plan_fits_glm45_32k_and_128k_on_2048_h100s_with_the_preset_mesh(capsys)
         r = plan_lib.main([f"--config={config}:glm45", "--devices=2048", f"--seq-len={seq}", "--device-memory=80GB"])
         assert r.mesh == {"data": 16, "tensor": 8, "expert": 2, "pipeline": 1, "context": 8} and r.fits, r.report()
     assert "131072 / context 8 = 16384 tokens per device" in capsys.readouterr().out
+    for seq in (4096, 32768, 131072):  # GLM-4.5-Air's preset mesh: every phase on 512 H100s
+        r = plan_lib.main([f"--config={config}:glm45_air", "--devices=512", f"--seq-len={seq}",
+                           "--device-memory=80GB"])
+        assert r.mesh == {"data": 8, "tensor": 4, "expert": 2, "pipeline": 1, "context": 8} and r.fits, r.report()
     with pytest.raises(InputError, match=r"--seq-len=1000 is not a multiple of 2 x mesh.context = 16"):
         plan_lib.main([f"--config={config}:glm45", "--devices=2048", "--seq-len=1000"])

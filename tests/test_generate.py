@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import FIXTURES, randomize_params
 
-from conftest import FIXTURES
 from glm46_jax import generate as gen
 from glm46_jax import sharding
 from glm46_jax.cli import InputError
@@ -24,16 +24,10 @@ CFG = dataclasses.replace(TINY, vocab_size=128, dtype="float32")
 PROMPTS = [[5, 9, 17, 3, 44, 2], [7, 8], [100, 1, 2, 60], [33]]  # lengths 6, 2, 4, 1: left padding 0..5
 
 
-def _randomize(params, seed=0, scale=0.3):
-    # Larger-than-init weights: logits far from uniform, so greedy choices have no near-ties.
-    keys = iter(jax.random.split(jax.random.key(seed), 200))
-    return jax.tree.map(lambda p: p + scale * jax.random.normal(next(keys), p.shape, p.dtype), params)
-
-
 @pytest.fixture(scope="module")
 def tiny(mesh1):
     graphdef, params, buffers = init_model(CFG, mesh1, seed=7)
-    return graphdef, _randomize(params), buffers
+    return graphdef, randomize_params(params), buffers
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +61,8 @@ def test_cached_logits_equal_full_forward_every_step(which, request, mesh1):
         for i in range(steps + 1):
             logits = np.asarray(logits)
             for row, seq in enumerate(seqs):
-                np.testing.assert_allclose(logits[row], _full_logits(model, mesh1, seq), atol=1e-5, rtol=0,
+                # 2e-5: jax 0.11's XLA:CPU (the lowest supported) rounds one logit ~2.7 to 1.03e-5 here.
+                np.testing.assert_allclose(logits[row], _full_logits(model, mesh1, seq), atol=2e-5, rtol=0,
                                            err_msg=f"row {row} step {i}")
             if i == steps:
                 break
@@ -128,7 +123,7 @@ def test_sharded_mesh_gives_same_tokens(tiny, mesh1):
     with sharding.use_mesh(mesh8):
         _, cache = gen._prefill(*model8, jnp.ones((4, 3), jnp.int32), jnp.zeros(4, jnp.int32), max_len=5)
     for kv in (cache.dense.k, cache.moe.v):
-        assert kv.sharding.spec == jax.P(None, ("data", "expert"), None, "tensor", None)
+        assert kv.sharding.spec == jax.P(None, ("data", "expert", "pipeline"), None, "tensor", None)
     assert greedy1 == [_naive_greedy(tiny, mesh1, p, 4) for p in PROMPTS]
 
 

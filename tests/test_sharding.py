@@ -207,8 +207,15 @@ def test_capacity_output_matches_hand_computed_survivors():
     ({"data": 2, "tensor": 4}, dataclasses.replace(CFG, vocab_size=130), None, "vocab_size=130 is not divisible"),
     ({"data": 4, "expert": 2}, CFG, 12,
      r"global_batch=12 is not divisible by the data x expert mesh size 8 \(mesh.data=4 x mesh.expert=2\)"),
-    # No logical axis maps to `pipeline` yet: its replicas would repeat the same work, so it is refused.
-    ({"data": 4, "pipeline": 2}, CFG, None, "mesh.pipeline=2: pipeline stages are not built yet"),
+    # Pipeline stages (docs/pipeline.md): every stage must hold a layer; micro-batches must fit the schedule.
+    ({"data": 4, "pipeline": 2}, CFG.replace(num_hidden_layers=2), None,
+     r"the model has 1 MoE layers .* fewer than stages x repeats"),
+    ({"data": 4, "pipeline": 2}, CFG.replace(num_hidden_layers=9, pipeline_repeats=2, pipeline_microbatches=1), None,
+     r"pipeline_microbatches=1: the circular schedule .* at least as many micro-batches as stages"),
+    ({"data": 2, "expert": 2, "pipeline": 2}, CFG.replace(num_hidden_layers=3, pipeline_microbatches=4), 8,
+     r"global_batch=8: each of the data x expert = 4 batch shards .* a multiple of 16"),
+    ({"data": 2, "expert": 2, "pipeline": 2}, CFG.replace(num_hidden_layers=3, pipeline_microbatches=1), 4,
+     r"global_batch=4 is not divisible by the data x expert x pipeline mesh size 8"),
 ])
 def test_invalid_meshes_say_what_to_change(shape, cfg, batch, message):
     # InputError: the CLIs print it as one `error:` line (exit 2) instead of a traceback.

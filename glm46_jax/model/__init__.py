@@ -18,11 +18,12 @@ from jaxtyping import Array, Int
 
 from glm46_jax import sharding
 from glm46_jax.config import ModelConfig
+from glm46_jax.model import pipeline
 from glm46_jax.model.layers import ExpertBias
 from glm46_jax.model.transformer import GenerationCache, GLMMoE, ModelOutput
 
 __all__ = ["ExpertBias", "GLMMoE", "GenerationCache", "ModelOutput", "abstract_model", "apply", "apply_cached",
-           "init_model", "merge"]
+           "apply_cached_routed", "init_model", "merge"]
 
 
 def init_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None,
@@ -35,13 +36,18 @@ def init_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None,
     with sharding.use_mesh(mesh):
         graphdef, _, _ = abstract_model(cfg, mesh)
         params, buffers = _jitted_init(_init_key(cfg))(jax.random.key(seed))
+        stages = mesh.shape["pipeline"]
+        if stages > 1:  # the same weights as on any other mesh, in the pipeline's slot order
+            params, buffers = jax.jit(functools.partial(pipeline.to_slots, lay=pipeline.layout(cfg, stages)))(
+                (params, buffers))
     return graphdef, params, buffers
 
 
 def _init_key(cfg: ModelConfig) -> ModelConfig:
     # Runtime fields do not change the parameters: share one compiled init between them.
     return dataclasses.replace(cfg, dtype="float32", attention_impl="xla", remat="none", moe_capacity_factor=0.0,
-                               moe_dispatch="allgather")
+                               moe_dispatch="allgather", attention_block_q=128, attention_block_kv=128,
+                               moe_block_size=128, pipeline_microbatches=0, pipeline_repeats=1)
 
 
 @functools.lru_cache(maxsize=16)
@@ -49,7 +55,8 @@ def _jitted_init(cfg: ModelConfig):
     # Cached per config: on CPU, XLA spends ~0.2 s compiling each threefry draw, ~20 s per model.
     @jax.jit
     def make(key):
-        _, params, buffers = nnx.split(GLMMoE(cfg, rngs=nnx.Rngs(params=key)), nnx.Param, ExpertBias)
+        # In layer order (stages=1) whatever the mesh: init_model permutes it into a pipeline's slots.
+        _, params, buffers = nnx.split(GLMMoE(cfg, rngs=nnx.Rngs(params=key), stages=1), nnx.Param, ExpertBias)
         return params, buffers
     return make
 
@@ -68,6 +75,7 @@ def abstract_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | jax.sharding.Abst
         def on_mesh(x):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.NamedSharding(mesh, x.sharding.spec))
         params, buffers = jax.tree.map(on_mesh, (params, buffers))
+    params, buffers = pipeline.with_stage_axis((params, buffers))
     return graphdef, params, buffers
 
 
@@ -77,12 +85,14 @@ def merge(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State) -> GLMM
 
 def apply(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, tokens: Int[Array, "b s"],
           positions: Int[Array, "b s"] | None = None, segment_ids: Int[Array, "b s"] | None = None,
-          *, with_mtp: bool = True, next_tokens: Int[Array, "b s"] | None = None) -> ModelOutput:
+          *, with_mtp: bool = True, next_tokens: Int[Array, "b s"] | None = None,
+          expert_ids: Int[Array, "l b s k"] | None = None) -> ModelOutput:
     """The pure forward pass: logits, final hidden state, MTP logits and router statistics.
 
-    `next_tokens`: the MTP layer's inputs (default: the tokens shifted by one; required on a context axis > 1)."""
+    `next_tokens`: the MTP layer's inputs (default: the tokens shifted by one; required on a context axis > 1).
+    `expert_ids`: replayed routing of the MoE layers (`GLMMoE.__call__`)."""
     return merge(graphdef, params, buffers)(tokens, positions, segment_ids, with_mtp=with_mtp,
-                                            next_tokens=next_tokens)
+                                            next_tokens=next_tokens, expert_ids=expert_ids)
 
 
 def apply_cached(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, tokens: Int[Array, "b s"],
@@ -93,3 +103,11 @@ def apply_cached(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, 
     Writes the tokens' keys/values at cache slots [index, index + s); see `GLMMoE.forward_cached`.
     """
     return merge(graphdef, params, buffers).forward_cached(tokens, positions, cache, index, start)
+
+
+def apply_cached_routed(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, tokens: Int[Array, "b s"],
+                        positions: Int[Array, "b s"], cache: GenerationCache, index: Int[Array, ""] | int,
+                        start: Int[Array, "b"]) -> tuple[Array, GenerationCache, Array | None]:
+    """`apply_cached` and the experts each MoE layer chose for the new tokens [moe layers, b, s, k] (None when the
+    model has no MoE layers): what routing replay records while sampling."""
+    return merge(graphdef, params, buffers).forward_cached_routed(tokens, positions, cache, index, start)

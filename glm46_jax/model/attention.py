@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import einops
 import jax
 import jax.numpy as jnp
@@ -14,7 +12,7 @@ from glm46_jax.config import ModelConfig
 from glm46_jax.model.adapters import adapted
 from glm46_jax.model.blockwise_attention import blockwise_attention
 from glm46_jax.model.layers import RMSNorm, apply_partial_rope, param
-from glm46_jax.sharding import context_size, load_balanced_order, logical, mesh_axes, weight, whole_along
+from glm46_jax.sharding import context_size, load_balanced_order, logical, mesh_axes, shard_map, weight, whole_along
 
 
 def attention_mask(segment_ids: Int[Array, "b s"] | None, seq_len: int) -> Bool[Array, "b 1 s t"]:
@@ -186,20 +184,21 @@ def context_parallel_attention(q: Float[Array, "b s h c"], k: Float[Array, "b s 
     seg_spec, gathered_pos = logical("batch", "seq"), jax.P()
     packed = q_segment_ids is not None
 
-    @partial(jax.shard_map, out_specs=q_spec,
-             in_specs=(q_spec, kv_spec, kv_spec, logical("seq"), gathered_pos) + (seg_spec, seg_spec) * packed)
     def local(q, k, v, q_pos, k_pos, *segments):
         k, v, *k_seg = (jax.lax.all_gather(a, seq, axis=1, tiled=True) for a in (k, v, *segments[1:]))
-        return blockwise_attention(q, k, v, q_positions=q_pos, k_positions=k_pos,
-                                   q_segment_ids=segments[0] if packed else None,
-                                   k_segment_ids=k_seg[0] if packed else None, scale=scale, block_q=block_q,
-                                   block_kv=block_kv)
+        return (blockwise_attention(q, k, v, q_positions=q_pos, k_positions=k_pos,
+                                    q_segment_ids=segments[0] if packed else None,
+                                    k_segment_ids=k_seg[0] if packed else None, scale=scale, block_q=block_q,
+                                    block_kv=block_kv),)
 
+    # Inside a pipeline stage the backward recomputes this forward once more (docs/pipeline.md#nested-shard-map).
+    in_specs = (q_spec, kv_spec, kv_spec, logical("seq"), gathered_pos) + (seg_spec, seg_spec) * packed
+    mapped = shard_map(local, in_specs, (q_spec,), diff_argnums=(0, 1, 2))
     args = [jax.sharding.reshard(q, q_spec), jax.sharding.reshard(k, kv_spec), jax.sharding.reshard(v, kv_spec),
             jax.sharding.reshard(q_positions, logical("seq")), jax.sharding.reshard(k_positions, gathered_pos)]
     if packed:
         args += [jax.sharding.reshard(q_segment_ids, seg_spec), jax.sharding.reshard(k_segment_ids, seg_spec)]
-    return local(*args)
+    return mapped(*args)[0]
 
 
 def _xla_attention(q, k, v, mask, scale):
@@ -207,7 +206,10 @@ def _xla_attention(q, k, v, mask, scale):
     # Query head h uses kv head h // g (HF repeat_kv), so heads split as (kv head, group member).
     q = einops.rearrange(q, "b s (k g) c -> b s k g c", k=k.shape[2])
     scores = jnp.einsum("bskgc,btkc->bkgst", q, k) * scale
-    scores = jnp.where(mask[:, :, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    # An additive mask, as HF's eager path: the add's backward needs no residual, whereas `where` keeps its
+    # predicate broadcast to every head's [s, t] for the backward (stacked over the scanned layers: ~12% of a
+    # CPU step at the issue-16 anchor shapes).
+    bias = jnp.where(mask, 0.0, jnp.finfo(jnp.float32).min)[:, :, None]
+    probs = jax.nn.softmax(scores.astype(jnp.float32) + bias, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgst,btkc->bskgc", probs, v)
     return einops.rearrange(out, "b s k g c -> b s (k g) c")

@@ -111,7 +111,7 @@ def _forward(qb, kb, vb, qpos, kpos, qseg, kseg, scale):
         q, qp, qs, blocks, n_blocks = xs
 
         def key_block(n, carry):
-            m, l, acc = carry  # running max, running sum of exp(s - m), running sum of exp(s - m) v
+            m, total, acc = carry  # running max, running sum of exp(s - m), running sum of exp(s - m) v
             j = blocks[n]
             s, mask = _scores(q, _take(kb, j), qp, _take(kpos, j), qs, None if qs is None else _take(kseg, j), scale)
             s = jnp.where(mask, s, -jnp.inf)
@@ -120,14 +120,14 @@ def _forward(qb, kb, vb, qpos, kpos, qseg, kseg, scale):
             p = jnp.exp(s - m_ref[..., None])
             rescale = jnp.exp(m - m_ref)
             pv = jnp.einsum("bkgqt,bktc->bkgqc", p.astype(vb.dtype), _take(vb, j), preferred_element_type=F32)
-            return m_new, l * rescale + p.sum(-1), acc * rescale[..., None] + pv
+            return m_new, total * rescale + p.sum(-1), acc * rescale[..., None] + pv
 
         start = (jnp.full_like(q[..., 0], -jnp.inf, F32), jnp.zeros_like(q[..., 0], F32), jnp.zeros_like(q, F32))
-        m, l, acc = jax.lax.fori_loop(0, n_blocks, key_block, start)
-        seen = l > 0
-        out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0).astype(q.dtype)
+        m, total, acc = jax.lax.fori_loop(0, n_blocks, key_block, start)
+        seen = total > 0
+        out = jnp.where(seen[..., None], acc / jnp.where(seen, total, 1.0)[..., None], 0.0).astype(q.dtype)
         # A row that saw nothing gets +inf: exp(s - lse) = 0 for it in the backward.
-        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), jnp.inf)
         return None, (out, lse)
 
     _, (out, lse) = jax.lax.scan(query_block, None, (qb, qpos, qseg, order, count))

@@ -22,7 +22,8 @@ Both have hand-written VJPs (reverse mode only). What they save against plain au
     [rows, f] buffers costs more than the two matmuls (measured: fwd+bwd 1.37x a dense FFN of equal FLOPs
     with recompute, 1.8x when saving them).
 Freshly written buffers are expensive on CPU (XLA:CPU page-faults every large buffer on each call). Inside a
-shard_map the cotangents get their primals' varying axes back (`_like`), as autodiff would give them.
+shard_map the cotangents get their primals' varying axes back (`sharding.cotangent_like`), as autodiff would
+give them.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from glm46_jax.config import ModelConfig
+from glm46_jax.sharding import cotangent_like
 
 
 def expert_capacity(num_tokens: int, cfg: ModelConfig) -> int:
@@ -149,7 +151,7 @@ def _routed_swiglu_bwd(res, dy):
     dx_ecd = jnp.einsum("ecf,edf->ecd", dgate, wg) + jnp.einsum("ecf,edf->ecd", dup, wu)
     ones = jnp.ones(kept.shape, jnp.float32)
     dx = _gather_sum(dx_ecd.reshape(e * c, d), dest, ones, kept).astype(dt)
-    grads = [_like(ct, primal) for ct, primal in zip((dx, dwg, dwu, dwd, dw_nk), (x, wg, wu, wd, w_nk))]
+    grads = [cotangent_like(ct, primal) for ct, primal in zip((dx, dwg, dwu, dwd, dw_nk), (x, wg, wu, wd, w_nk))]
     return (*grads, None, None, None, None, None)
 
 
@@ -255,7 +257,7 @@ def _blocked_swiglu_fwd(x, wg, wu, wd, w_nk, layout: BlockLayout, block: int):
         return y.at[tokens].add(weighted, mode="drop", unique_indices=True)
 
     y = _pvary(jnp.zeros(x.shape, jnp.float32), x, wg, wu, wd, w_nk, layout.row_token)
-    return jax.lax.fori_loop(0, layout.used, body, y), (x, wg, wu, wd, w_nk, layout)
+    return jax.lax.fori_loop(0, layout.used, body, y), (x, wg, wu, wd, w_nk, w_row, layout)
 
 
 def block_forward(x: Float[Array, "n d"], wg: Array, wu: Array, wd: Array, tokens: Int[Array, " block"],
@@ -287,9 +289,8 @@ def block_backward(x: Float[Array, "n d"], dy: Float[Array, "n d"], w_b: Float[A
 
 
 def _blocked_swiglu_bwd(block, res, dy):
-    x, wg, wu, wd, w_nk, layout = res
+    x, wg, wu, wd, w_nk, w_row, layout = res
     rows = layout.row_token.shape[0]
-    w_row = _take_rows(w_nk.reshape(-1), layout.row_assign)  # fp32, 0 on padding rows
 
     def body(b, carry):
         dwg, dwu, dwd, dx, dw_rows = carry
@@ -305,7 +306,8 @@ def _blocked_swiglu_bwd(block, res, dy):
                                                jnp.zeros(x.shape, jnp.float32), jnp.zeros((rows,), jnp.float32)))
     dwg, dwu, dwd, dx, dw_rows = jax.lax.fori_loop(0, layout.used, body, init)
     dw_nk = jnp.where(layout.local, dw_rows[layout.row], 0)
-    grads = [_like(ct, primal) for ct, primal in zip((dx.astype(x.dtype), dwg, dwu, dwd, dw_nk), (x, wg, wu, wd, w_nk))]
+    grads = [cotangent_like(ct, primal)
+             for ct, primal in zip((dx.astype(x.dtype), dwg, dwu, dwd, dw_nk), (x, wg, wu, wd, w_nk))]
     return (*grads, None)
 
 
@@ -326,15 +328,3 @@ def _pvary(a: Array, *like: Array) -> Array:
 
 def _varying(a: Array) -> frozenset:
     return jax.typeof(a).manual_axis_type.varying
-
-
-def _like(ct: Array, primal: Array) -> Array:
-    """Give a cotangent its primal's varying mesh axes inside a shard_map (no-op outside one).
-
-    Autodiff inserts these itself: where the forward mixed an operand with one that varies over
-    more axes (x with tensor-sharded weights), the transpose of that implicit `pvary` is a psum.
-    """
-    extra = tuple(sorted(_varying(ct) - _varying(primal)))
-    ct = jax.lax.psum(ct, extra) if extra else ct
-    missing = tuple(sorted(_varying(primal) - _varying(ct)))
-    return jax.lax.pcast(ct, missing, to="varying") if missing else ct

@@ -7,7 +7,6 @@ local grouped matmul of `experts.py`.
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -18,16 +17,12 @@ from glm46_jax.config import ModelConfig
 from glm46_jax.model.adapters import adapted
 from glm46_jax.model.experts import expert_capacity, grouped_experts, local_experts
 from glm46_jax.model.layers import MLP, ExpertBias, param
-from glm46_jax.sharding import constrain, flatten_tokens, logical, mesh_axes, unflatten_tokens, weight
+from glm46_jax.sharding import constrain, flatten_tokens, logical, mesh_axes, shard_map, unflatten_tokens, weight
 
 
-def route(x: Float[Array, "n d"], w_router_de: Array, bias_e: Array,
-          cfg: ModelConfig) -> tuple[Int[Array, "n k"], Float[Array, "n k"], Float[Array, "n e"]]:
-    """DeepSeek-V3 "noaux_tc" routing as in HF Glm4MoeTopkRouter, all in fp32.
-
-    Returns the chosen experts, their combine weights, and the raw sigmoid scores.
-    The correction bias only chooses experts; the weights come from the unbiased scores.
-    """
+def choose_experts(x: Float[Array, "n d"], w_router_de: Array, bias_e: Array,
+                   cfg: ModelConfig) -> tuple[Int[Array, "n k"], Float[Array, "n e"]]:
+    """The router's own top-k choice and the raw sigmoid scores (fp32): `route` without the combine weights."""
     logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), w_router_de.astype(jnp.float32))
     scores = jax.nn.sigmoid(logits)
     choice = scores + jax.lax.stop_gradient(bias_e.astype(jnp.float32))
@@ -41,10 +36,31 @@ def route(x: Float[Array, "n d"], w_router_de: Array, bias_e: Array,
         # (docs/architecture.md#group-limited-top-k).
         choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(n, e)
     _, idx = jax.lax.top_k(jax.lax.stop_gradient(choice), cfg.num_experts_per_tok)
+    return idx, scores
+
+
+def combine_weights(scores: Float[Array, "n e"], idx: Int[Array, "n k"], cfg: ModelConfig) -> Float[Array, "n k"]:
+    """The chosen experts' combine weights, from the unbiased scores: the router's gradient path."""
     weights = jnp.take_along_axis(scores, idx, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return idx, weights * cfg.routed_scaling_factor, scores
+    return weights * cfg.routed_scaling_factor
+
+
+def route(x: Float[Array, "n d"], w_router_de: Array, bias_e: Array,
+          cfg: ModelConfig) -> tuple[Int[Array, "n k"], Float[Array, "n k"], Float[Array, "n e"]]:
+    """DeepSeek-V3 "noaux_tc" routing as in HF Glm4MoeTopkRouter, all in fp32.
+
+    Returns the chosen experts, their combine weights, and the raw sigmoid scores.
+    The correction bias only chooses experts; the weights come from the unbiased scores.
+    """
+    idx, scores = choose_experts(x, w_router_de, bias_e, cfg)
+    return idx, combine_weights(scores, idx, cfg), scores
+
+
+def replay_differs(natural: Int[Array, "n k"], replayed: Int[Array, "n k"]) -> Float[Array, "n"]:
+    """1.0 where the router's own expert set differs from the replayed one (order within the top-k ignored)."""
+    return jnp.any(jnp.sort(natural, axis=-1) != jnp.sort(replayed, axis=-1), axis=-1).astype(jnp.float32)
 
 
 @jax.named_scope("moe_dispatch")  # the shard_map and its collectives; "experts" inside is the local compute
@@ -62,13 +78,13 @@ def dispatch(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float[Arra
       alltoall   send each assignment to the shard owning its expert in capacity-sized buffers
                  with `all_to_all`, compute, send back (communication ~ k x tokens, not E x tokens)
     """
-    tok = logical("tokens", None)  # batch x seq flattened: data x expert x context
+    tok = logical("tokens", None)  # batch x seq flattened: data x expert (x pipeline) x context
     exp = logical("exp", None, "mlp_moe")
     exp_down = logical("exp", "mlp_moe", None)
-    batch_axes = mesh_axes("tokens")
+    # The token spec's axes, not mesh_axes("batch"): inside a pipeline stage `pipeline` is not among them.
+    batch_axes = _spec_axes(tok[0])
     local_fn = _allgather if cfg.moe_dispatch == "allgather" else _alltoall
 
-    @partial(jax.shard_map, in_specs=(tok, tok, tok, exp, exp, exp_down), out_specs=(tok, jax.P(), jax.P()))
     def local(x, idx, weights, wg, wu, wd):
         y, dropped = local_fn(x, idx, weights, wg, wu, wd, cfg)
         # FFN hidden is tensor-sharded: every tensor shard holds a partial sum of y.
@@ -77,10 +93,18 @@ def dispatch(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float[Arra
         dropped_frac = jax.lax.psum(dropped, batch_axes) / jax.lax.psum(idx.size, batch_axes)
         return y.astype(x.dtype), dropped_frac, load
 
+    in_specs = (tok, tok, tok, exp, exp, exp_down)
+    # Inside a pipeline stage its backward recomputes `local` in a shard_map of its own: one extra routed forward
+    # per MoE layer (docs/pipeline.md#nested-shard-map).
+    mapped = shard_map(local, in_specs, (tok, jax.P(), jax.P()), diff_argnums=(0, 2, 3, 4, 5))
     tokens = [jax.sharding.reshard(a, tok) for a in (x, idx, weights)]
     experts = [jax.sharding.reshard(w, spec) for w, spec in
                ((w_gate_edf, exp), (w_up_edf, exp), (w_down_efd, exp_down))]
-    return local(*tokens, *experts)
+    return mapped(*tokens, *experts)
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _expert_group() -> tuple[str, ...]:
@@ -157,12 +181,23 @@ class MoE(nnx.Module):
         self.shared_experts = MLP(cfg, cfg.shared_intermediate_size, rngs=rngs)
         self.cfg = cfg
 
-    def __call__(self, x: Float[Array, "b s d"]) -> tuple[Float[Array, "b s d"], dict[str, Array]]:
+    def __call__(self, x: Float[Array, "b s d"], expert_ids: Int[Array, "b s k"] | None = None
+                 ) -> tuple[Float[Array, "b s d"], dict[str, Array]]:
+        """`expert_ids` (routing replay, docs/rl.md#routing-replay): use these experts instead of the router's
+        choice; the router still scores every expert and its weights get gradients through the combine weights
+        gathered at the replayed ids. aux then also has "replay_differs" [b, s]: where its own choice differs."""
         cfg = self.cfg
         b, s, d = x.shape
         x_nd = flatten_tokens(x)
+        replay = {}
         with jax.named_scope("router"):
-            idx, weights, scores = route(x_nd, weight(self.router), self.e_score_correction_bias[...], cfg)
+            if expert_ids is None:
+                idx, weights, scores = route(x_nd, weight(self.router), self.e_score_correction_bias[...], cfg)
+            else:
+                natural, scores = choose_experts(x_nd, weight(self.router), self.e_score_correction_bias[...], cfg)
+                idx = flatten_tokens(expert_ids).astype(jnp.int32)
+                weights = combine_weights(scores, idx, cfg)
+                replay = {"replay_differs": unflatten_tokens(replay_differs(natural, idx), b, s)}
         routed, dropped, load = dispatch(
             x_nd, idx, weights, adapted(self, "gate_proj"), adapted(self, "up_proj"), adapted(self, "down_proj"), cfg)
         with jax.named_scope("shared_expert"):
@@ -173,5 +208,6 @@ class MoE(nnx.Module):
             "dropped_frac": dropped,
             "router_topk": unflatten_tokens(idx, b, s),
             "router_scores": unflatten_tokens(scores, b, s),
+            **replay,
         }
         return y, aux

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU benchmark in one command, run ON the lent GPU machine (its own jax 0.11.2 + CUDA 13 plugin, flax, optax,
+# orbax, chex, einops; no network). The device tool call:
+#
+#   run(command="bash benchmarks/gpu/run.sh", carry=[".whl"])                   # small preset, 8 x 4096 tokens
+#   run(command="bash benchmarks/gpu/run.sh --batch 4 --steps 20", carry=[".whl"])   # step.py's flags pass through
+#
+# First, HERE (with network): bash benchmarks/gpu/fetch_wheels.sh   (fills the ignored .whl/ with grain,
+# ml-collections, array-record and their missing needs; ~5 MiB of the call's 64 MiB).
+# It installs the carried wheels into /tmp/site (never into the image's own environment), then runs
+# benchmarks/gpu/step.py with the image's python3; result.json, report.md, trace.json.gz and log.txt land in
+# $OUT (the device tool brings that folder back), else in runs/gpu_bench. Without a GPU it runs step.py's CPU
+# fallback (tiny preset, fp32) and says so. docs/gpu.md#running-it-on-the-lent-gpu has the details.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+
+OUT="${OUT:-runs/gpu_bench}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+exec > >(tee "$OUT/log.txt") 2>&1
+
+echo "== run.sh: $(date -u +%FT%TZ) on $(uname -nm), python $("$PY" -V 2>&1 | cut -d' ' -f2) ($(command -v "$PY"))"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  echo "== gpu: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | paste -sd';')"
+else
+  echo "== gpu: no nvidia-smi on PATH"
+fi
+
+shopt -s nullglob
+# A test points these at its own folders (no wheels: the venv running it has the packages).
+WHEELS="${GPU_BENCH_WHEELS:-.whl}"
+SITE="${GPU_BENCH_SITE:-/tmp/site}"
+wheels=("$WHEELS"/*.whl)
+if ((${#wheels[@]})); then
+  echo "== installing ${#wheels[@]} carried wheels into $SITE"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    "${wheels[@]}" || { echo "error: installing $WHEELS/*.whl into $SITE failed (see above)" >&2; exit 1; }
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+else
+  echo "== no $WHEELS/*.whl here: was the call made with carry=[\".whl\"] after benchmarks/gpu/fetch_wheels.sh?"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's glm46_jax, not an installed copy
+# More of the GPU for the step than JAX's default 75% pre-allocation (nothing else runs there).
+export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
+export PYTHONUNBUFFERED=1
+
+# Everything the step imports, checked up front: one clear line instead of a traceback deep in an import.
+missing="$("$PY" - <<'PY'
+import importlib
+names = ["jax", "jaxlib", "flax", "optax", "orbax.checkpoint", "chex", "einops", "jaxtyping", "numpy", "absl",
+         "grain", "ml_collections", "array_record", "safetensors", "tokenizers", "jinja2", "tqdm"]
+bad = []
+for n in names:
+    try:
+        importlib.import_module(n)
+    except Exception as e:  # noqa: BLE001
+        bad.append(f"{n} ({type(e).__name__}: {e})")
+print("; ".join(bad))
+PY
+)"
+if [ -n "$missing" ]; then
+  echo "error: cannot import: $missing. Carry the wheels (bash benchmarks/gpu/fetch_wheels.sh here, then" \
+       "carry=[\".whl\"]) or install the package's dependencies." >&2
+  exit 2
+fi
+"$PY" -c 'import jax, flax; print("== jax", jax.__version__, "flax", flax.__version__, "devices", jax.devices())'
+
+"$PY" benchmarks/gpu/step.py --out "$OUT" "$@"

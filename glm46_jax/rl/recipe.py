@@ -1,0 +1,431 @@
+"""GRPO as a recipe of the generic trainer: rollouts -> rewards -> group advantages -> several clipped updates.
+
+    recipe, state = recipe.build(run_cfg)        # mesh, policy weights (checkpoint.init_from), LoRA, optimizer
+    recipe.start(data_state, state)              # the prompt pool (and where a resumed run left it)
+    state, summary = trainer.fit(recipe, state, ...)
+
+One trainer step is one optimizer step on one minibatch. When the minibatches of the last rollout are used up,
+`next_input` samples the next rollout with the *current* policy (the weights the last step returned: the
+sampler is refreshed after every update): `prompts_per_step` prompts from the pool (curriculum), `group_size`
+samples each with the project's generator (log-probs, and the experts every token went through for routing
+replay), rewards, and with dynamic sampling the groups whose rewards all agree are dropped and refilled from
+the pool. The kept groups' advantages are computed per group and their rows split into `minibatches`, each used
+`epochs` times. Held-out `eval/accuracy` is greedy exact-match (pass rate) on the held-out prompts
+(docs/rl.md#the-grpo-recipe).
+
+Checkpoints hold the policy, the optimizer, the pool (its pass-rate statistics, curriculum level and RNG) and
+the rollout count, so a run resumed at a rollout boundary continues bit-identically; checkpoint.every must be a
+multiple of the updates per rollout. A run stopped mid-rollout (preemption) resumes with the next rollout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from flax import nnx
+from tokenizers import Tokenizer
+
+from glm46_jax import atomic, chat, checkpoint, lora, sharding
+from glm46_jax.cli import InputError
+from glm46_jax.counting import flops_per_token
+from glm46_jax.model import abstract_model
+from glm46_jax.optim import build_optimizer
+from glm46_jax.rl import objective
+from glm46_jax.rl.curriculum import CurriculumConfig, PromptPool
+from glm46_jax.rl.rewards import Rewards
+from glm46_jax.rl.rollout import Rollout, Sampling, sample_groups, strip_stop, training_rows
+from glm46_jax.rl.step import StepSettings, completion_logprobs, make_grpo_step
+from glm46_jax.run_config import RLConfig, RunConfig, rl_steps
+from glm46_jax.sft import load_base
+from glm46_jax.train_step import TrainState, init_state, with_frozen
+from glm46_jax.trainer import StepInput
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """The run's one segment; `stats` are the rollout's metrics, logged with the steps trained on it."""
+    name: str
+    seq_len: int
+    stats: tuple[tuple[str, float], ...] = dataclasses.field(default=(), compare=False)
+
+
+def read_prompts(path: str) -> list[dict[str, Any]]:
+    """The prompts file (JSONL, docs/rl.md#prompt-files); a bad line is an InputError naming file:line."""
+    if not os.path.exists(path):
+        raise InputError(f"{path}: no such prompts file (set --config.rl.prompts / --config.rl.heldout; "
+                         "`python -m data_prep.rl_tasks` writes the demo's)")
+    items = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{number}: not JSON ({e})") from e
+            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+                raise InputError(f"{path}:{number}: expected an object with a string 'prompt'")
+            items.append(item)
+    if not items:
+        raise InputError(f"{path}: no prompts")
+    return items
+
+
+def encode_prompts(tok: Tokenizer, items: Sequence[Mapping[str, Any]], rl: RLConfig, where: str) -> list[list[int]]:
+    out = []
+    for i, item in enumerate(items):
+        if rl.chat:
+            ids = chat.encode_prompt(tok, [{"role": "user", "content": item["prompt"]}], enable_thinking=False)
+        else:
+            ids = tok.encode(item["prompt"], add_special_tokens=False).ids
+        if not 0 < len(ids) <= rl.max_prompt_len:
+            raise InputError(f"{where}: prompt {i} is {len(ids)} tokens; rl.max_prompt_len={rl.max_prompt_len} "
+                             "(raise it, or shorten the prompt)")
+        out.append([int(t) for t in ids])
+    return out
+
+
+def _tokenizer_path(cfg: RunConfig) -> str:
+    if cfg.rl.tokenizer:
+        return cfg.rl.tokenizer
+    found = checkpoint.tokenizer_path(checkpoint.latest_checkpoint(cfg.checkpoint.init_from)) \
+        if cfg.checkpoint.init_from else None
+    if not found:
+        raise InputError("rl.tokenizer is empty and checkpoint.init_from has no tokenizer.json in its run dir; "
+                         "set --config.rl.tokenizer")
+    return found
+
+
+def run_tokenizer(cfg: RunConfig, is_main: bool) -> dict[str, str]:
+    """Copy the policy's tokenizer.json into the run dir (scoring, generation and export find it there)."""
+    import hashlib
+    import shutil
+
+    source = _tokenizer_path(cfg)
+    target = os.path.join(cfg.run_dir, "tokenizer.json")
+    if is_main and os.path.abspath(source) != os.path.abspath(target):
+        shutil.copy(source, target)
+    with open(source, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    return {"path": target, "source": os.path.abspath(source), "sha256": digest}
+
+
+def _device_batch(batch: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+    # Every process holds the whole rollout (the sampler's outputs are replicated); each device takes its rows.
+    out = {}
+    with jax.transfer_guard_host_to_device("allow"):
+        for k, v in batch.items():
+            layout = jax.NamedSharding(mesh, sharding.logical("batch", *([None] * (v.ndim - 1))))
+            out[k] = jax.make_array_from_callback(v.shape, layout, lambda index, v=v: v[index])
+    return out
+
+
+class _Tracked:
+    """The train step, telling the recipe the state it returned: the policy the next rollout samples from."""
+
+    def __init__(self, fn: Any, recipe: GRPO):
+        self.fn, self.recipe = fn, recipe
+
+    def lower(self, *args) -> _Tracked:
+        return _Tracked(self.fn.lower(*args), self.recipe)
+
+    def compile(self) -> _Tracked:
+        return _Tracked(self.fn.compile(), self.recipe)
+
+    def __call__(self, state, *rest):
+        state, metrics = self.fn(state, *rest)
+        self.recipe.policy = state
+        return state, metrics
+
+
+class _HeldOut:
+    """The eval "step": greedy completions of a batch of held-out prompts, scored by the rewards. It is not one
+    compiled program (generation is a prefill and a decode loop), so lowering and compiling are no-ops."""
+
+    def __init__(self, recipe: GRPO):
+        self.recipe = recipe
+
+    def lower(self, *args) -> _HeldOut:
+        return self
+
+    def compile(self) -> _HeldOut:
+        return self
+
+    def __call__(self, state: TrainState, batch: Mapping[str, np.ndarray], controls: Any) -> dict[str, float]:
+        return self.recipe.heldout_metrics(state, np.asarray(batch["ids"]))
+
+
+@dataclasses.dataclass
+class GRPO:
+    """The GRPO recipe (`trainer.Recipe`)."""
+    cfg: RunConfig
+    mesh: jax.sharding.Mesh
+    graphdef: nnx.GraphDef
+    tx: optax.GradientTransformation
+    lr_schedule: optax.Schedule
+    frozen: nnx.State | None  # LoRA: the base weights
+    reference: nnx.State | None  # kl_coef > 0: the starting policy's trained weights
+    tok: Tokenizer
+    items: list[dict[str, Any]]
+    prompt_ids: list[list[int]]
+    heldout_items: list[dict[str, Any]]
+    heldout_ids: list[list[int]]
+    rewards: Rewards
+    stop_tokens: tuple[int, ...]
+    tokenizer: dict[str, str] | None = None
+    policy: TrainState | None = None  # the latest state: what rollouts sample from
+    pool: PromptPool | None = None
+    pending: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
+    stats: tuple[tuple[str, float], ...] = ()
+    rollouts_done: int = 0
+    tokens_seen: int = 0
+    start_accuracy: float | None = None
+
+    @property
+    def rl(self) -> RLConfig:
+        return self.cfg.rl
+
+    @property
+    def total_steps(self) -> int:
+        return rl_steps(self.rl, self.cfg.train.steps)
+
+    @property
+    def global_rows(self) -> bool:
+        return True  # every process holds the whole rollout
+
+    @property
+    def seq_len(self) -> int:
+        return self.rl.max_prompt_len + self.rl.max_new_tokens
+
+    @property
+    def settings(self) -> StepSettings:
+        rl = self.rl
+        return StepSettings(clip_low=rl.clip_low, clip_high=rl.clip_high, aggregation=rl.aggregation,
+                            max_tokens=rl.max_new_tokens, kl_coef=rl.kl_coef, temperature=rl.temperature,
+                            routing_replay=rl.routing_replay)
+
+    def sampling(self, temperature: float) -> Sampling:
+        pad = self.cfg.model.pad_token_id or 0
+        return Sampling(max_new_tokens=self.rl.max_new_tokens, temperature=temperature, stop_tokens=self.stop_tokens,
+                        pad_id=pad, prompt_len=self.rl.max_prompt_len,
+                        record_routing=self.rl.routing_replay and temperature > 0)
+
+    def segment(self) -> Segment:
+        return Segment(f"grpo_{self.rl.method}", self.seq_len, self.stats)
+
+    # --- trainer.Recipe ----------------------------------------------------------------------
+
+    def steps_for(self, segment: Segment) -> tuple[Any, Any]:
+        step = make_grpo_step(self.graphdef, self.tx, self.settings, lr_schedule=self.lr_schedule, frozen=self.frozen)
+        return _Tracked(step, self), _HeldOut(self)
+
+    def flops_per_token(self, segment: Segment) -> float:
+        return flops_per_token(self.cfg.model, segment.seq_len)
+
+    def describe(self, segment: Segment) -> dict[str, float]:
+        return dict(segment.stats)
+
+    def checkpoint_meta(self, segment: Segment, tokens_seen: int) -> dict[str, Any]:
+        meta = {"model_config": dataclasses.asdict(self.cfg.model), "phase": segment.name, "tokens_seen": tokens_seen,
+                "tokenizer": self.tokenizer, "config": dict(self.cfg.source), "rl_method": self.rl.method,
+                "init_from": self.cfg.checkpoint.init_from, "rollouts": self.rollouts_done}
+        if self.frozen is not None:
+            meta["lora"] = self.cfg.lora.to_dict()
+        return meta
+
+    def start(self, data_state: Any | None = None, state: TrainState | None = None) -> None:
+        rl = self.rl
+        self.policy = state
+        difficulty = [int(it.get("difficulty", 0)) for it in self.items]
+        self.pool = PromptPool(len(self.items), difficulty, CurriculumConfig(
+            rl.curriculum_buckets, rl.curriculum_advance_at, rl.curriculum_ema), seed=self.cfg.train.seed)
+        self.pending, self.stats = [], ()
+        if data_state is not None:
+            self.pool.restore(data_state["pool"])
+            self.rollouts_done = int(data_state["rollouts"])
+            self.tokens_seen = int(data_state["tokens_seen"])
+            if data_state.get("pending"):
+                logging.warning("the checkpoint was saved mid-rollout; its %d remaining minibatch(es) are skipped and "
+                                "training goes on with a new rollout", data_state["pending"])
+        elif state is not None:
+            self.start_accuracy = self.evaluate(state)["accuracy"]
+            logging.info("held-out accuracy of the starting policy: %.3f", self.start_accuracy)
+
+    def next_input(self, max_loss: float) -> StepInput:
+        with jax.transfer_guard("allow"):
+            if not self.pending:
+                self._rollout()
+            local = self.pending.pop(0)
+            batch = _device_batch(local, self.mesh)
+            if self.reference is not None:
+                batch["ref_logprobs"] = self._ref_logprobs(self.reference, self.policy.buffers, batch)
+            controls = {"max_loss": jnp.float32(max_loss)}
+        self.tokens_seen += int(local["inputs"].size)
+        data_state = {"pool": self.pool.state(), "rollouts": self.rollouts_done, "tokens_seen": self.tokens_seen,
+                      "pending": len(self.pending)}
+        return StepInput(self.segment(), batch, controls, self.tokens_seen, data_state)
+
+    @property
+    def heldout_count(self) -> int:
+        """How many held-out prompts `evaluate` scores (the first ones of `rl.heldout`)."""
+        return min(len(self.heldout_ids), self.cfg.train.eval_batches * self.rl.eval_batch)
+
+    def eval_batches(self, segment: Segment, count: int) -> dict[str, list[dict[str, np.ndarray]]]:
+        """Chunks of held-out prompt indices (`rl.eval_batch` each, at most `count`)."""
+        n = min(len(self.heldout_ids), count * self.rl.eval_batch)
+        return {"": [{"ids": np.arange(i, min(i + self.rl.eval_batch, n))} for i in range(0, n, self.rl.eval_batch)]}
+
+    def finish(self, state: TrainState, step: int, run_dir: str) -> str | None:
+        """Writes <run_dir>/heldout.json (held-out accuracy before and after); LoRA: also the merged weights."""
+        after = self.evaluate(state)
+        if jax.process_index() == 0:
+            atomic.write_json(os.path.join(run_dir, "heldout.json"),
+                              {"start_accuracy": self.start_accuracy, "end": after, "steps": step,
+                               "rollouts": self.rollouts_done, "problems": self.heldout_count})
+        logging.info("held-out accuracy %s -> %.3f", "n/a" if self.start_accuracy is None else
+                     f"{self.start_accuracy:.3f}", after["accuracy"])
+        if self.frozen is None:
+            return None
+        _, params = lora.merge_adapters(self.graphdef, state.params, self.frozen, state.buffers, self.mesh)
+        params = jax.tree.map(lambda x: x.astype(self.cfg.model.param_dtype), params)
+        return checkpoint.save_params(os.path.join(run_dir, "merged"), step, params, state.buffers, self.cfg.model,
+                                      meta={**self.checkpoint_meta(self.segment(), self.tokens_seen),
+                                            "merged_from": "lora"})
+
+    def close(self) -> None:
+        self.pending = []
+
+    # --- rollouts --------------------------------------------------------------------------
+
+    def completions(self, rollout: Rollout) -> list[str]:
+        return [self.tok.decode(strip_stop(rollout.completion(i), self.stop_tokens), skip_special_tokens=False)
+                for i in range(len(rollout.prompts))]
+
+    def _rollout(self) -> None:
+        rl, g = self.rl, self.rl.group_size
+        params = with_frozen(self.policy.params, self.frozen)
+        sampling = self.sampling(rl.temperature)
+        groups, sampled, seconds, new_tokens = [], [], 0.0, 0
+        rounds = 1 + (rl.max_refill_rounds if rl.dynamic_sampling else 0)
+        t0 = time.perf_counter()
+        for round_index in range(rounds):
+            ids = self.pool.draw(rl.prompts_per_step)
+            seed = (self.cfg.train.seed * 1_000_003 + self.rollouts_done) * 101 + round_index
+            with sharding.use_mesh(self.mesh):
+                rollout = sample_groups(self.graphdef, params, self.policy.buffers, [self.prompt_ids[i] for i in ids],
+                                        g, sampling, seed)
+            seconds += rollout.seconds
+            new_tokens += int(rollout.lengths.sum())
+            items = [self.items[i] for i in ids for _ in range(g)]
+            total, parts = self.rewards.score(self.completions(rollout), items)
+            passed = (total >= rl.pass_threshold).astype(np.float32)
+            self.pool.record(ids, passed.reshape(-1, g).mean(axis=1), g)
+            for j in range(len(ids)):
+                rows = np.arange(j * g, (j + 1) * g)
+                groups.append((rollout, rows, total[rows], bool(total[rows].max() > total[rows].min())))
+            sampled.append((total, passed, rollout.lengths, parts))
+            if not rl.dynamic_sampling or sum(inf for *_, inf in groups) >= rl.prompts_per_step:
+                break
+        # Informative groups first (in sampling order); short of them, all-agreeing ones keep the batch's shape.
+        kept = sorted(groups, key=lambda x: not x[3])[:rl.prompts_per_step]
+        rows = [training_rows(r, idx, self.seq_len, sampling.pad_id) for r, idx, _, _ in kept]
+        batch = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+        batch["advantages"] = np.asarray(objective.advantages(
+            jnp.asarray(np.concatenate([rw for _, _, rw, _ in kept])), g, rl.advantage, rl.adv_eps), np.float32)
+        order = np.random.default_rng([self.cfg.train.seed, self.rollouts_done]).permutation(len(batch["inputs"]))
+        chunks = np.array_split(order, rl.minibatches)
+        self.pending = [{k: v[c] for k, v in batch.items()} for _ in range(rl.epochs) for c in chunks]
+        self.rollouts_done += 1
+        self.stats = self._rollout_stats(sampled, kept, len(groups), seconds, new_tokens,
+                                         time.perf_counter() - t0, len(sampled))
+
+    def _rollout_stats(self, sampled, kept, num_groups, sample_s, new_tokens, rollout_s, rounds):
+        total = np.concatenate([t for t, *_ in sampled])
+        passed = np.concatenate([p for _, p, *_ in sampled])
+        lengths = np.concatenate([n for _, _, n, _ in sampled])
+        group_std = total.reshape(-1, self.rl.group_size).std(axis=1)
+        stats = {"reward_mean": float(total.mean()), "reward_std": float(total.std()),
+                 "group_reward_std": float(group_std.mean()), "pass_at_1": float(passed.mean()),
+                 "response_len": float(lengths.mean()), "kept_groups_frac": sum(k[3] for k in kept) / len(kept),
+                 "informative_groups_frac": float(np.mean(group_std > 0)), "rollout_rounds": float(rounds),
+                 "sampled_groups": float(num_groups), "rollout_s": rollout_s, "sampling_s": sample_s,
+                 "sampling_tokens_per_s": new_tokens / max(sample_s, 1e-9),
+                 "curriculum_level": float(self.pool.level), "rollouts": float(self.rollouts_done)}
+        for name in self.rewards.names:
+            stats[f"reward/{name}"] = float(np.concatenate([p[name] for *_, p in sampled]).mean())
+        return tuple(stats.items())
+
+    def _ref_logprobs(self, reference: nnx.State, buffers: nnx.State, batch: dict[str, jax.Array]) -> jax.Array:
+        if not hasattr(self, "_ref_fn"):
+            self._ref_fn = jax.jit(lambda p, fz, b, batch: completion_logprobs(
+                with_frozen(p, fz), b, self.graphdef, batch, self.rl.temperature, self.rl.routing_replay)[0])
+        with sharding.use_mesh(self.mesh):
+            return self._ref_fn(reference, self.frozen, buffers, batch)
+
+    # --- held-out accuracy -------------------------------------------------------------------
+
+    def heldout_metrics(self, state: TrainState, ids: np.ndarray) -> dict[str, float]:
+        """Greedy completions of held-out prompts `ids`: accuracy (pass rate), mean reward, response length."""
+        with jax.transfer_guard("allow"), sharding.use_mesh(self.mesh):
+            params = with_frozen(state.params, self.frozen)
+            rollout = sample_groups(self.graphdef, params, state.buffers, [self.heldout_ids[i] for i in ids], 1,
+                                    self.sampling(0.0), seed=0)
+        total, _ = self.rewards.score(self.completions(rollout), [self.heldout_items[i] for i in ids])
+        return {"accuracy": float(np.mean(total >= self.rl.pass_threshold)), "reward": float(total.mean()),
+                "response_len": float(rollout.lengths.mean())}
+
+    def evaluate(self, state: TrainState) -> dict[str, float]:
+        """`heldout_metrics` over the eval set (`eval_batches`), averaged per prompt."""
+        chunks = self.eval_batches(self.segment(), self.cfg.train.eval_batches)[""]
+        results = [(len(c["ids"]), self.heldout_metrics(state, c["ids"])) for c in chunks]
+        n = sum(size for size, _ in results)
+        return {k: sum(size * r[k] for size, r in results) / n for k in results[0][1]}
+
+
+def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[GRPO, TrainState]:
+    """Mesh -> policy weights -> (adapters) -> optimizer -> train state, prompts and rewards; nothing sampled."""
+    rl = cfg.rl
+    sizes = sharding.mesh_shape(cfg.mesh.sizes(), len(devices) if devices is not None else jax.device_count())
+    shards = sizes["data"] * sizes["expert"]
+    rows = rl.prompts_per_step * rl.group_size // rl.minibatches
+    if rows % shards:
+        raise InputError(f"rl.prompts_per_step x rl.group_size / rl.minibatches = {rows} rows per update must be a "
+                         f"multiple of the mesh's data x expert devices ({shards})")
+    if cfg.checkpoint.every % rl.updates_per_rollout:
+        raise InputError(f"checkpoint.every={cfg.checkpoint.every} must be a multiple of the optimizer steps per "
+                         f"rollout ({rl.updates_per_rollout} = rl.minibatches x rl.epochs), so that checkpoints fall "
+                         "between rollouts and a resumed run continues exactly")
+    if cfg.model.moe_capacity_factor > 0:
+        raise InputError("model.moe_capacity_factor > 0: RL needs dropless routing (0), or the sampler's and the "
+                         "trainer's batches drop different tokens")
+    tok = Tokenizer.from_file(_tokenizer_path(cfg))
+    items, heldout = read_prompts(rl.prompts), read_prompts(rl.heldout)
+    prompt_ids = encode_prompts(tok, items, rl, rl.prompts)
+    heldout_ids = encode_prompts(tok, heldout, rl, rl.heldout)
+    stop = tuple(chat.stop_token_ids(tok)) if rl.chat else tuple(cfg.model.eos_token_id)
+    rewards = Rewards.from_names(rl.rewards, rl.reward_weights, code_timeout_s=rl.code_timeout_s,
+                                 code_memory_mb=rl.code_memory_mb)
+
+    mesh = sharding.make_mesh(cfg.mesh.sizes(), devices, cfg=cfg.model, global_batch=rows)
+    graphdef = abstract_model(cfg.model, mesh)[0]
+    params, buffers = load_base(cfg.checkpoint.init_from, cfg.model, mesh, cfg.train.seed)
+    frozen = None
+    if rl.method == "lora":
+        graphdef, params, frozen, buffers = lora.add_adapters(graphdef, params, buffers, cfg.lora, mesh,
+                                                              seed=cfg.train.seed)
+    reference = jax.tree.map(jnp.copy, params) if rl.kl_coef > 0 else None
+    tx, lr_schedule = build_optimizer(cfg.optim, params)
+    with sharding.use_mesh(mesh):
+        state = init_state(params, buffers, tx)
+    return GRPO(cfg, mesh, graphdef, tx, lr_schedule, frozen, reference, tok, items, prompt_ids, heldout,
+                heldout_ids, rewards, stop), state

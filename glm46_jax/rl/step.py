@@ -1,0 +1,121 @@
+"""The jitted GRPO update: the policy's log-probs of the sampled completions (with the rollout's routing
+replayed), the clipped loss of `objective`, an optimizer step (docs/rl.md#the-update).
+
+    step = make_grpo_step(graphdef, tx, StepSettings(...), lr_schedule=schedule, frozen=None)
+    state, metrics = step(state, batch, controls)         # train_step.TrainState, donated
+
+Batches are `rollout.training_rows` plus "advantages" [b] (and "ref_logprobs" [b, s-1] with a KL term).
+The step is shaped like `train_step.make_train_step`'s (the same TrainState, optimizer, non-finite skip and
+`Bound` frozen weights for LoRA), so the generic trainer runs it; the correction biases are not moved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jaxtyping import Array, Float
+
+from glm46_jax.loss import nll_and_lse
+from glm46_jax.model import apply
+from glm46_jax.rl import objective
+from glm46_jax.train_step import Bound, TrainState, with_frozen
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    aggregation: str = "token"
+    max_tokens: int = 1  # "constant" aggregation's per-sequence token budget (max_new_tokens)
+    kl_coef: float = 0.0
+    temperature: float = 1.0  # the sampler's: log-probs are of the tempered distribution it sampled from
+    routing_replay: bool = True
+
+
+def completion_logprobs(params: nnx.State, buffers: nnx.State, graphdef: nnx.GraphDef, batch: dict[str, Array],
+                        temperature: float = 1.0, routing_replay: bool = True
+                        ) -> tuple[Float[Array, "b t"], Float[Array, "b t"], Float[Array, "b s"] | None]:
+    """(log p(inputs[:, t+1] | inputs[:, :t+1]) [b, s-1], the policy's entropy there [b, s-1], and with replay the
+    per-position share of MoE layers whose own choice differs from the replayed one [b, s]), fp32."""
+    expert_ids = None
+    if routing_replay and "expert_ids" in batch:
+        expert_ids = jnp.transpose(batch["expert_ids"], (2, 0, 1, 3))  # [layers, b, s, k], scanned per layer
+    out = apply(graphdef, params, buffers, batch["inputs"], with_mtp=False, expert_ids=expert_ids)
+    logits = out.logits[:, :-1].astype(jnp.float32) / temperature
+    nll, lse = nll_and_lse(logits, batch["inputs"][:, 1:])  # no gather along the (sharded) vocab
+    entropy = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
+    differs = out.aux["replay_differs"].mean(axis=0) if expert_ids is not None else None
+    return -nll, entropy, differs
+
+
+def _like(x: Array, ref: Array) -> Array:
+    # Batch arrays arrive in the loader's layout; Explicit sharding mode wants operands laid out alike.
+    layout = jax.typeof(ref).sharding
+    return x if layout.mesh.empty else jax.sharding.reshard(x, layout)
+
+
+def grpo_loss(params: nnx.State, buffers: nnx.State, batch: dict[str, Array], graphdef: nnx.GraphDef,
+              settings: StepSettings) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """The loss the step differentiates and its metrics (scalars)."""
+    logp, entropy, differs = completion_logprobs(params, buffers, graphdef, batch, settings.temperature,
+                                                 settings.routing_replay)
+    mask, old = _like(batch["completion_mask"], logp), _like(batch["old_logprobs"], logp)
+    adv = _like(batch["advantages"], logp[:, 0])
+    pg, stats = objective.policy_loss(logp, old, adv, mask,
+                                      clip_low=settings.clip_low, clip_high=settings.clip_high,
+                                      aggregation=settings.aggregation, max_tokens=settings.max_tokens)
+    n = jnp.maximum(mask.sum(), 1.0)
+    token_mean = lambda x: jnp.sum(x * mask) / n  # noqa: E731
+    metrics = {"pg_loss": pg, "ce": -token_mean(logp), "entropy": token_mean(entropy),
+               "logprob_diff": token_mean(jnp.abs(logp - old)),
+               "completion_tokens": mask.sum(), **stats}
+    loss = pg
+    if settings.kl_coef > 0:
+        kl = objective.aggregate(objective.kl_k3(logp, _like(batch["ref_logprobs"], logp)), mask, settings.aggregation,
+                                 settings.max_tokens)
+        loss = loss + settings.kl_coef * kl
+        metrics["kl"] = kl
+    if differs is not None:
+        fed = _like(batch["replay_mask"], differs)
+        metrics["replay_mismatch"] = jnp.sum(differs * fed) / jnp.maximum(fed.sum(), 1.0)
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+def make_grpo_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, settings: StepSettings, *,
+                   lr_schedule: optax.Schedule | None = None, frozen: nnx.State | None = None
+                   ) -> Callable[[TrainState, dict, dict], tuple[TrainState, dict[str, Any]]]:
+    """step(state, batch, controls) -> (state, metrics), jitted with the state donated (inside `use_mesh`);
+    `frozen` as in `train_step.make_train_step`. Reads controls["max_loss"] like the pre-training step."""
+    grad_fn = jax.value_and_grad(
+        lambda p, fz, buffers, batch: grpo_loss(with_frozen(p, fz), buffers, batch, graphdef, settings), has_aux=True)
+
+    def step(state: TrainState, batch: dict, ctrl: dict, frozen: nnx.State | None = None):
+        (_, metrics), grads = grad_fn(state.params, frozen, state.buffers, batch)
+        bad = (metrics["loss"] > ctrl.get("max_loss", jnp.inf)) | ~jnp.isfinite(metrics["loss"])
+        grad_norm = optax.tree.norm(grads)
+        grads = jax.tree.map(lambda g: jnp.where(bad, jnp.nan, g), grads)
+        finite_before = state.opt_state if isinstance(state.opt_state, optax.ApplyIfFiniteState) else None
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+        out = {**metrics, "grad_norm": grad_norm, "spike": bad.astype(jnp.int32)}
+        if isinstance(opt_state, optax.ApplyIfFiniteState):
+            applied = opt_state.notfinite_count == 0
+            out.update(skipped=1 - applied.astype(jnp.int32), nonfinite_in_a_row=opt_state.notfinite_count,
+                       nonfinite_total=opt_state.total_notfinite)
+        else:
+            out["nonfinite_in_a_row"] = jnp.int32(0)
+        if lr_schedule is not None:
+            skipped_before = finite_before.total_notfinite if finite_before is not None else 0
+            out["lr"] = jnp.asarray(lr_schedule(state.step - skipped_before), jnp.float32)
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), out
+
+    jitted = jax.jit(step, donate_argnums=(0,))
+    return jitted if frozen is None else Bound(jitted, frozen)

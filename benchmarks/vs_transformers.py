@@ -194,6 +194,9 @@ def main() -> None:
     if args.cores:  # before jax or the HF worker start: XLA's thread pool and torch size themselves from it
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])
     cores = len(os.sched_getaffinity(0))
+    from glm46_jax import host
+
+    host_settings = host.configure_cpu()  # glm46_jax's CPU start-up, as its CLIs do (the HF worker gets none of it)
 
     import jax
 
@@ -239,7 +242,7 @@ def main() -> None:
              "jax": jax.__version__, "jax_device": str(dev.device_kind),
              "hf_threads": hf.info["threads"], "load_avg_before": load_before, "load_avg_after": load_after,
              "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "tokens_per_step": tokens,
-             "hf_params": hf.info["params"]}
+             "hf_params": hf.info["params"], "glm46_jax_host_settings": host_settings}
     width = max(len(r["system"]) for r in rows)
     print(f"\nanchor: {BATCH} x {SEQ} tokens/step, fp32; {args.rounds} rounds x {args.steps} steps; "
           f"load avg {load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} cores, {cores} used")
@@ -252,7 +255,8 @@ def main() -> None:
           f"{load_before[0]:.1f} -> {load_after[0]:.1f}); commit {facts['commit']}; jax {facts['jax']}; command "
           f"`.venv/bin/python benchmarks/vs_transformers.py --rounds {args.rounds} --steps {args.steps} "
           f"--warmup {args.warmup} --variants {','.join(variants)} --cores {args.cores}`. Median over rounds; "
-          "`vs HF` is the median of per-round ratios.\n")
+          "`vs HF` is the median of per-round ratios. glm46_jax's CPU host settings (`glm46_jax.host`): "
+          f"{'; '.join(host_settings) or 'none'}.\n")
     print("| system | tokens/s | step (ms) | vs HF | tokens/s per round |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['system']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.0f} | {r['ratio']:.2f}x | "

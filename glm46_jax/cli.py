@@ -20,6 +20,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from glm46_jax import host
+
 
 class InputError(ValueError):
     """Something the user gave is wrong; the message names it and says what to do."""
@@ -41,7 +43,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def main_guard(main: Callable[..., Any], *args: Any) -> None:
-    """Run `main(*args)`; a user error becomes `error: ...` on stderr and exit code 2."""
+    """Run `main(*args)`; a user error becomes `error: ...` on stderr and exit code 2. Applies the CPU host
+    settings first (`host.configure_cpu`): entry points call this before jax touches a device."""
+    host.configure_cpu()
     try:
         result = main(*args)
     except user_errors() as err:
@@ -55,6 +59,8 @@ def run_absl(main: Callable[[list[str]], Any]) -> None:
     """`absl.app.run(main)` for the absl-flag CLIs (train, bench): a bad flag, a config file that does not
     load or a bad `--config.x.y=` override is one line and exit 2 as well, instead of absl's usage dump."""
     from absl import app, flags
+
+    host.configure_cpu()  # before flag parsing: a config file may import modules that start jax
 
     def parse(argv: list[str]) -> list[str]:
         try:

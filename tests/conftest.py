@@ -8,12 +8,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-# XLA on CPU compiles slowly (a model init is ~15 s): reuse compiled programs across local runs, and
-# across the training subprocesses the tests start (they get the same cache). Small programs too: a
-# process's first checkpoint save compiles ~10 s of them (Orbax's per-shard copies), which later
-# processes then skip.
-jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/glm46_jax/xla"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+# The test processes themselves keep no persistent XLA cache: with one, jaxlib 0.12's XLA:CPU twice crashed a
+# pytest-xdist worker with a segfault inside the cache (serialising an executable to write it, and reading an
+# entry back), which takes the whole worker's file down. The training subprocesses some tests start still
+# share one (`JAX_COMPILATION_CACHE_DIR=~/.cache/glm46_jax/xla`, set by those tests).
 
 from glm46_jax import sharding  # noqa: E402
 

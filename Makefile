@@ -62,9 +62,12 @@ $(VENV)/.installed: pyproject.toml
 	@touch $@
 
 # Two pytest workers (pytest-xdist), a test file per worker: most of the suite's time is XLA compiling on CPU,
-# which runs on one core per compile. TEST_WORKERS=0 runs in this process (needed for pdb).
+# which runs on one core per compile. TEST_WORKERS=0 runs in this process (needed for pdb). A worker that dies
+# (a segfault) ends the run at once: with --dist loadfile, xdist re-queues the dead worker's whole file and, after
+# a replacement worker ran it, waited forever (a CI run hung until its time limit that way).
+XDIST := -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0
 test: $(VENV)/.installed
-	@TIMEFORMAT='suite time: %1Rs'; time $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests $(PYTEST_ARGS)
+	@TIMEFORMAT='suite time: %1Rs'; time $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,$(XDIST)) tests $(PYTEST_ARGS)
 
 # The lowest jax/flax pyproject admits, in .venv-jax011: the package installed with pip's own resolution under those
 # pins, so an install failure means pyproject's bounds no longer admit them. Rebuilt when pyproject.toml changes.
@@ -87,7 +90,7 @@ $(VENV_JAX_MIN)/.installed: pyproject.toml
 
 test-jax-min: $(VENV_JAX_MIN)/.installed
 	@TIMEFORMAT='jax-min time: %1Rs'; time $(PY_JAX_MIN) -m pytest -q \
-	  $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(JAX_MIN_TESTS) $(JAX_MIN_DESELECT) \
+	  $(if $(filter 0,$(TEST_WORKERS)),,$(XDIST)) $(JAX_MIN_TESTS) $(JAX_MIN_DESELECT) \
 	  $(PYTEST_ARGS)
 
 # The sample corpus (stdlib code + prose, 512-token BPE) that the tiny preset trains on; built

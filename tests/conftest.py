@@ -5,17 +5,48 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
-# The test processes themselves keep no persistent XLA cache: with one, jaxlib 0.12's XLA:CPU twice crashed a
-# pytest-xdist worker with a segfault inside the cache (serialising an executable to write it, and reading an
-# entry back), which takes the whole worker's file down. The training subprocesses some tests start still
-# share one (`JAX_COMPILATION_CACHE_DIR=~/.cache/glm46_jax/xla`, set by those tests).
+from glm46_jax import sharding
 
-from glm46_jax import sharding  # noqa: E402
+# The test processes keep no persistent XLA cache (it only adds work that can fail: serialising and reading back
+# executables); the training subprocesses some tests start share one (`JAX_COMPILATION_CACHE_DIR=
+# ~/.cache/glm46_jax/xla`, set by those tests).
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+# Every executable XLA:CPU compiles keeps memory mappings (~50 for the tiny model's forward) (its JIT code and data) for as long as jax's caches
+# hold it, and a pytest worker compiles thousands: one test file alone reached 15,000 mappings. Past the kernel's
+# vm.max_map_count (65,530 by default) the next mmap fails inside XLA and the worker dies with a segfault (seen in
+# CI at the same test every run: compiling in test_speculative after ~400 tests on that worker). So compiled
+# executables are dropped after every test file, and mid-file when a file alone gets near the limit.
+MAX_MAPPINGS = 30_000
+
+
+def memory_mappings() -> int:
+    with open("/proc/self/maps", "rb") as f:
+        return sum(1 for _ in f)
+
+
+def _drop_executables():
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_executables_per_file():
+    yield
+    _drop_executables()
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_mappings():
+    yield
+    if os.path.exists("/proc/self/maps") and memory_mappings() > MAX_MAPPINGS:
+        _drop_executables()
 
 
 @pytest.fixture(scope="session")

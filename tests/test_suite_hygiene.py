@@ -1,0 +1,29 @@
+"""The test suite's own guard against XLA:CPU's memory mappings (tests/conftest.py): dropping jax's caches must
+release the compiled executables' mappings, or long pytest workers segfault past vm.max_map_count."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import _drop_executables, memory_mappings
+
+from glm46_jax import sharding
+from glm46_jax.config import TINY
+from glm46_jax.model import apply, init_model
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts /proc/self/maps (Linux)")
+def test_dropping_caches_releases_compiled_executables(mesh1):
+    with sharding.use_mesh(mesh1):
+        graphdef, params, buffers = init_model(TINY, mesh1)
+        _drop_executables()
+        before = memory_mappings()
+        for s in (4, 5, 6):  # three executables of the tiny model's forward (~50 mappings each on jaxlib 0.12)
+            forward = jax.jit(lambda p, x: apply(graphdef, p, buffers, x, jnp.arange(x.shape[1])[None],
+                                                 jnp.ones_like(x)).logits)
+            jax.block_until_ready(forward(params, jnp.ones((1, s), jnp.int32)))
+        grown = memory_mappings() - before
+        assert grown >= 30, grown  # what the guard is for: compiled code holds mappings
+        _drop_executables()
+        assert memory_mappings() - before < grown / 4, (before, grown, memory_mappings())

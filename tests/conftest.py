@@ -16,12 +16,14 @@ from glm46_jax import sharding
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
-# Every executable XLA:CPU compiles keeps memory mappings (~50 for the tiny model's forward) (its JIT code and data) for as long as jax's caches
-# hold it, and a pytest worker compiles thousands: one test file alone reached 15,000 mappings. Past the kernel's
-# vm.max_map_count (65,530 by default) the next mmap fails inside XLA and the worker dies with a segfault (seen in
-# CI at the same test every run: compiling in test_speculative after ~400 tests on that worker). So compiled
-# executables are dropped after every test file, and mid-file when a file alone gets near the limit.
+# Every executable XLA:CPU compiles keeps memory mappings for its JIT code and data (~50 for the tiny model's
+# forward) as long as jax's caches hold it, and a pytest worker compiles thousands: one test file alone reached
+# 15,000 mappings. Past the kernel's vm.max_map_count (65,530 by default) the next mmap fails inside XLA and the
+# worker dies with a segfault (seen in CI at the same test every run: compiling in test_speculative after ~400
+# tests on that worker). So compiled executables are dropped after every test file, and mid-file when a file
+# alone gets near the limit.
 MAX_MAPPINGS = 30_000
+HAS_PROC_MAPS = os.path.exists("/proc/self/maps")  # Linux; elsewhere only the per-file drop runs
 
 
 def memory_mappings() -> int:
@@ -45,7 +47,7 @@ def _fresh_executables_per_file():
 @pytest.fixture(autouse=True)
 def _bounded_memory_mappings():
     yield
-    if os.path.exists("/proc/self/maps") and memory_mappings() > MAX_MAPPINGS:
+    if HAS_PROC_MAPS and memory_mappings() > MAX_MAPPINGS:
         _drop_executables()
 
 

@@ -1,19 +1,17 @@
 """The test suite's own guard against XLA:CPU's memory mappings (tests/conftest.py): dropping jax's caches must
 release the compiled executables' mappings, or long pytest workers segfault past vm.max_map_count."""
 
-import os
-
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import _drop_executables, memory_mappings
+from conftest import HAS_PROC_MAPS, _drop_executables, memory_mappings
 
 from glm46_jax import sharding
 from glm46_jax.config import TINY
 from glm46_jax.model import apply, init_model
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts /proc/self/maps (Linux)")
+@pytest.mark.skipif(not HAS_PROC_MAPS, reason="counts /proc/self/maps (Linux)")
 def test_dropping_caches_releases_compiled_executables(mesh1):
     with sharding.use_mesh(mesh1):
         graphdef, params, buffers = init_model(TINY, mesh1)

@@ -57,10 +57,14 @@ VARIANTS = {  # name -> (label, optim overrides, model overrides)
     "muon": ("glm46_jax, Muon + AdamW (default), dropless", {}, {"moe_capacity_factor": 0.0}),
     "adamw": ("glm46_jax, AdamW, dropless", {"algorithm": "adamw"}, {"moe_capacity_factor": 0.0}),
     "cf1.25": ("glm46_jax, Muon + AdamW, capacity factor 1.25", {}, {"moe_capacity_factor": 1.25}),
-    "blockwise": ("glm46_jax, Muon + AdamW, dropless, blockwise attention", {},
-                  {"moe_capacity_factor": 0.0, "attention_impl": "blockwise"}),
-    "adamw_blockwise": ("glm46_jax, AdamW, dropless, blockwise attention", {"algorithm": "adamw"},
-                        {"moe_capacity_factor": 0.0, "attention_impl": "blockwise"}),
+    # The tiny preset's runtime settings off, one at a time (the preset: blockwise attention, layer stacks
+    # unrolled, 4 dropless blocks per loop step).
+    "xla": ("glm46_jax, Muon + AdamW, dropless, xla attention", {},
+            {"moe_capacity_factor": 0.0, "attention_impl": "xla"}),
+    "scan": ("glm46_jax, Muon + AdamW, dropless, layer scan not unrolled", {},
+             {"moe_capacity_factor": 0.0, "scan_unroll": 1}),
+    "group1": ("glm46_jax, Muon + AdamW, dropless, one block per loop step", {},
+               {"moe_capacity_factor": 0.0, "moe_block_group": 1}),
 }
 
 

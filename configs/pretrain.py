@@ -70,7 +70,9 @@ _PRESETS = {
     # ~2 min on a 2-core CPU including compile: 200 steps of 16 x 128 tokens (prose-heavy), then
     # 50 steps of 16 x 256 code-heavy rows, best-fit packed, at RoPE theta 1e6.
     "tiny": dict(
-        model=dict(),
+        # The CPU-fastest runtime settings measured on the 2-core anchor (docs/performance.md): the shallow
+        # stacks unrolled, blockwise attention (no [s, s] probabilities kept for the backward).
+        model=dict(scan_unroll=8, attention_impl="blockwise"),
         mesh=dict(data=-1),
         train=dict(log_every=25, eval_every=100, eval_batches=4),
         checkpoint=dict(every=100),

@@ -109,9 +109,16 @@ class ModelConfig:
     # Dropless: each expert's assignments are padded to a multiple of this many rows and run block by block, so
     # only routed work is done (docs/sharding.md#dropless-grouped-experts); 128 measured best on a 2-core CPU.
     moe_block_size: int = 128
+    # Dropless: blocks per loop step, run as one batched matmul (each block against its own expert's weights):
+    # larger steps keep both CPU cores busy, at most group - 1 empty blocks of padding per step.
+    moe_block_group: int = 4
     # How tokens reach experts sharded over the `expert` mesh axis (see model/moe.py).
     moe_dispatch: str = "allgather"  # allgather | alltoall
     remat: str = "none"  # none | full | save_matmuls
+    # Layers per iteration of the scan over each layer stack (lax.scan's unroll); >= the stack's depth unrolls it
+    # fully. 1 keeps compile time flat in depth (the big models); a small model on CPU runs faster unrolled, since
+    # the scan's stacked residuals are zero-filled and copied each step (docs/performance.md#layer-scan).
+    scan_unroll: int = 1
     # With mesh.pipeline > 1 (docs/pipeline.md): micro-batches each batch shard streams through the stages
     # (0 = as many as stages) and the circular schedule's repeats (1 = GPipe).
     pipeline_microbatches: int = 0
@@ -179,6 +186,8 @@ class ModelConfig:
         for f in ("attention_block_q", "attention_block_kv"):
             check_range("model", self, f, ge=1, meaning="tokens per block of blockwise attention")
         check_range("model", self, "moe_block_size", ge=1, meaning="rows per block of the dropless expert matmuls")
+        check_range("model", self, "moe_block_group", ge=1, meaning="dropless blocks per loop step")
+        check_range("model", self, "scan_unroll", ge=1, meaning="layers per iteration of the layer scan")
         check_choice("model", self, "moe_dispatch", _MOE_DISPATCH,
                      "a ragged all-to-all needs a GPU/TPU to test on and is not in this build")
         check_choice("model", self, "remat", _REMAT)
@@ -255,8 +264,8 @@ def model_config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
 
 # The fields HF's config.json does not have: how the model runs, not what it computes.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "attention_impl", "attention_block_q", "attention_block_kv",
-                  "moe_capacity_factor", "moe_block_size", "moe_dispatch", "remat", "pipeline_microbatches",
-                  "pipeline_repeats")
+                  "moe_capacity_factor", "moe_block_size", "moe_block_group", "moe_dispatch", "remat", "scan_unroll",
+                  "pipeline_microbatches", "pipeline_repeats")
 _HF_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME_FIELDS)
 _HF_ALIASES = {"num_mtp_layers": "num_nextn_predict_layers", "num_local_experts": "n_routed_experts"}
 

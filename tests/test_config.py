@@ -106,7 +106,8 @@ BAD_MODEL_VALUES = [
     ("initializer_range", -0.02), ("hidden_act", "gelu"), ("pad_token_id", -1), ("pad_token_id", 512),
     ("eos_token_id", (512,)), ("tie_word_embeddings", True), ("dtype", "int8"), ("param_dtype", "float8"),
     ("attention_impl", "flash3"), ("attention_block_q", 0), ("attention_block_kv", -1),
-    ("moe_capacity_factor", -1.0), ("moe_block_size", 0), ("moe_dispatch", "ragged_alltoall"),
+    ("moe_capacity_factor", -1.0), ("moe_block_size", 0), ("moe_block_group", 0), ("scan_unroll", 0),
+    ("moe_dispatch", "ragged_alltoall"),
     ("pipeline_microbatches", -1), ("pipeline_repeats", 0),
     ("remat", "some"), ("rope_theta", float("nan")), ("hidden_size", "64"),
 ]

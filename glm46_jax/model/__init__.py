@@ -47,7 +47,8 @@ def _init_key(cfg: ModelConfig) -> ModelConfig:
     # Runtime fields do not change the parameters: share one compiled init between them.
     return dataclasses.replace(cfg, dtype="float32", attention_impl="xla", remat="none", moe_capacity_factor=0.0,
                                moe_dispatch="allgather", attention_block_q=128, attention_block_kv=128,
-                               moe_block_size=128, pipeline_microbatches=0, pipeline_repeats=1)
+                               moe_block_size=128, moe_block_group=4, scan_unroll=1, pipeline_microbatches=0,
+                               pipeline_repeats=1)
 
 
 @functools.lru_cache(maxsize=16)

@@ -163,7 +163,8 @@ def local_experts(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float
                   expert_offset: Array | int = 0) -> tuple[Float[Array, "n d"], Int[Array, ""]]:
     """The experts held here on these tokens, dropless or with a capacity as `cfg` says: (y, dropped count)."""
     if cfg.moe_capacity_factor <= 0:
-        y = dropless_experts(x, idx, weights, w_gate_edf, w_up_edf, w_down_efd, cfg.moe_block_size, expert_offset)
+        y = dropless_experts(x, idx, weights, w_gate_edf, w_up_edf, w_down_efd, cfg.moe_block_size, expert_offset,
+                             cfg.moe_block_group)
         return y, jnp.zeros((), jnp.int32)
     return grouped_experts(x, idx, weights, w_gate_edf, w_up_edf, w_down_efd, expert_capacity(x.shape[0], cfg),
                            expert_offset)
@@ -184,11 +185,13 @@ class BlockLayout:
     used: Int[Array, ""]
 
 
-def block_layout(idx: Int[Array, "n k"], num_local: int, expert_offset: Array | int, block: int) -> BlockLayout:
+def block_layout(idx: Int[Array, "n k"], num_local: int, expert_offset: Array | int, block: int,
+                 group: int = 1) -> BlockLayout:
     """Sort assignments by (local) expert and pad each expert's group to a multiple of `block` rows.
 
-    The row space is sized for the worst case (every assignment local: n * k + num_local * (block - 1) rows); the
-    loops only visit the `used` blocks.
+    The row space is sized for the worst case (every assignment local: n * k + num_local * (block - 1) rows),
+    rounded up to whole groups of `group` blocks (the loops step a group at a time); the loops only visit the
+    groups that hold the `used` blocks.
     """
     n, k = idx.shape
     a = n * k
@@ -203,7 +206,7 @@ def block_layout(idx: Int[Array, "n k"], num_local: int, expert_offset: Array | 
     expert = jnp.minimum(flat_e, num_local - 1)
     start = jnp.cumsum(counts) - counts
     row = jnp.where(is_local, padded_end[expert] - padded[expert] + position - start[expert], 0)
-    rows = -(-(a + num_local * (block - 1)) // block) * block
+    rows = -(-(a + num_local * (block - 1)) // (block * group)) * block * group
     target = jnp.where(is_local, row, rows)  # out of range: dropped by the scatters below
     assign = jnp.arange(a, dtype=jnp.int32)
     row_assign = jnp.full((rows,), a, jnp.int32).at[target].set(assign, mode="drop", unique_indices=True)
@@ -218,93 +221,123 @@ def block_layout(idx: Int[Array, "n k"], num_local: int, expert_offset: Array | 
 @jax.named_scope("experts")
 def dropless_experts(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float[Array, "n k"],
                      w_gate_edf: Array, w_up_edf: Array, w_down_efd: Array, block: int,
-                     expert_offset: Array | int = 0) -> Float[Array, "n d"]:
+                     expert_offset: Array | int = 0, group: int = 1) -> Float[Array, "n d"]:
     """Sum_j weights[:, j] * Expert_{idx[:, j]}(x) over the experts held here, every assignment computed.
 
+    The loops take `group` blocks per step, each block against its own expert's weights, as one batched matmul
+    (docs/performance.md#dropless-experts: on XLA:CPU a [block, d] x [d, f] product alone runs on one core).
     Combined in fp32 as HF does (expert output x fp32 weight, one cast at the end); assignments to experts held
     elsewhere contribute nothing here.
     """
     dt = x.dtype
-    layout = block_layout(idx, w_gate_edf.shape[0], expert_offset, block)
+    layout = block_layout(idx, w_gate_edf.shape[0], expert_offset, block, group)
     w_nk = jnp.where(layout.local, weights.astype(jnp.float32), 0)
-    y = _blocked_swiglu(x, w_gate_edf.astype(dt), w_up_edf.astype(dt), w_down_efd.astype(dt), w_nk, layout, block)
+    y = _blocked_swiglu(x, w_gate_edf.astype(dt), w_up_edf.astype(dt), w_down_efd.astype(dt), w_nk, layout,
+                        block, group)
     return y.astype(dt)
 
 
-def _block_rows(a: Array, b: Array, block: int) -> Array:
-    return jax.lax.dynamic_slice_in_dim(a, b * block, block)
+def _group_rows(a: Array, i: Array, block: int, group: int) -> Array:
+    """Step i's rows of a per-row array, as [group, block]."""
+    return jax.lax.dynamic_slice_in_dim(a, i * block * group, block * group).reshape(group, block)
 
 
-def _expert(w: Array, e: Array) -> Array:
-    return jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
+def _experts_of(w: Array, e: Array) -> Array:
+    """w[e] for an expert id or a [group] vector of them: one dynamic slice per block (no gather op)."""
+    if e.ndim == 0:
+        return jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
+    return jnp.stack([jax.lax.dynamic_index_in_dim(w, e[g], keepdims=False) for g in range(e.shape[0])])
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _blocked_swiglu(x, wg, wu, wd, w_nk, layout: BlockLayout, block: int):
+def _trips(layout: BlockLayout, group: int) -> Array:
+    return (layout.used + group - 1) // group
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _blocked_swiglu(x, wg, wu, wd, w_nk, layout: BlockLayout, block: int, group: int):
     """y[t] = sum_j w_nk[t, j] * SwiGLU_{expert}(x[t]) (fp32 [n, d]); a loop over the used blocks."""
-    return _blocked_swiglu_fwd(x, wg, wu, wd, w_nk, layout, block)[0]
+    return _blocked_swiglu_fwd(x, wg, wu, wd, w_nk, layout, block, group)[0]
 
 
-def _blocked_swiglu_fwd(x, wg, wu, wd, w_nk, layout: BlockLayout, block: int):
+def _blocked_swiglu_fwd(x, wg, wu, wd, w_nk, layout: BlockLayout, block: int, group: int):
     w_row = _take_rows(w_nk.reshape(-1), layout.row_assign)  # fp32, 0 on padding rows
 
-    def body(b, y):
-        tokens = _block_rows(layout.row_token, b, block)
-        y_b = block_forward(x, wg, wu, wd, tokens, layout.block_expert[b])
+    def body(i, y):
+        tokens = _group_rows(layout.row_token, i, block, group)
+        experts = jax.lax.dynamic_slice_in_dim(layout.block_expert, i * group, group)
+        y_b = block_forward(x, wg, wu, wd, tokens, experts)
         # Straight into the token's output: no [rows, d] buffer sized for the worst case. A block holds one
-        # expert, so its tokens are distinct; padding rows (token n) fall outside and are dropped.
-        weighted = y_b.astype(jnp.float32) * _block_rows(w_row, b, block)[:, None]
-        return y.at[tokens].add(weighted, mode="drop", unique_indices=True)
+        # expert, so one block's tokens are distinct (a group's may repeat a token: two of its experts); padding
+        # rows (token n) fall outside and are dropped.
+        weighted = y_b.astype(jnp.float32) * _group_rows(w_row, i, block, group)[..., None]
+        return y.at[tokens.reshape(-1)].add(weighted.reshape(-1, x.shape[1]), mode="drop",
+                                            unique_indices=group == 1)
 
     y = _pvary(jnp.zeros(x.shape, jnp.float32), x, wg, wu, wd, w_nk, layout.row_token)
-    return jax.lax.fori_loop(0, layout.used, body, y), (x, wg, wu, wd, w_nk, w_row, layout)
+    return jax.lax.fori_loop(0, _trips(layout, group), body, y), (x, wg, wu, wd, w_nk, w_row, layout)
 
 
-def block_forward(x: Float[Array, "n d"], wg: Array, wu: Array, wd: Array, tokens: Int[Array, " block"],
-                  e: Int[Array, ""]) -> Float[Array, "block d"]:
-    """One block of the dropless loop: expert e's SwiGLU on rows x[tokens] (token n reads as zeros)."""
+def _mm(a: Array, b: Array) -> Array:
+    """a @ b over the last two axes, batched over the leading (block) axis when there is one."""
+    return jnp.einsum("...ij,...jk->...ik", a, b)
+
+
+def _t(a: Array) -> Array:
+    return jnp.swapaxes(a, -1, -2)
+
+
+def block_forward(x: Float[Array, "n d"], wg: Array, wu: Array, wd: Array, tokens: Int[Array, "*g block"],
+                  e: Int[Array, "*g"]) -> Float[Array, "*g block d"]:
+    """Blocks of the dropless loop: expert e's SwiGLU on rows x[tokens] (token n reads as zeros); `tokens` one
+    block with `e` a scalar, or [group, block] with one expert per block."""
     x_b = _take_rows(x, tokens)
-    return (jax.nn.silu(x_b @ _expert(wg, e)) * (x_b @ _expert(wu, e))) @ _expert(wd, e)
+    return _mm(jax.nn.silu(_mm(x_b, _experts_of(wg, e))) * _mm(x_b, _experts_of(wu, e)), _experts_of(wd, e))
 
 
-def block_backward(x: Float[Array, "n d"], dy: Float[Array, "n d"], w_b: Float[Array, " block"], wg: Array,
-                   wu: Array, wd: Array, tokens: Int[Array, " block"], e: Int[Array, ""]) -> tuple[Array, ...]:
-    """One block of the dropless backward loop: (dW_gate[e], dW_up[e], dW_down[e], dx rows, d combine weight)."""
+def block_backward(x: Float[Array, "n d"], dy: Float[Array, "n d"], w_b: Float[Array, "*g block"], wg: Array,
+                   wu: Array, wd: Array, tokens: Int[Array, "*g block"], e: Int[Array, "*g"]) -> tuple[Array, ...]:
+    """Blocks of the dropless backward loop (shapes as `block_forward`): (dW_gate[e], dW_up[e], dW_down[e],
+    dx rows, d combine weight), the weight gradients one per block."""
     dt = x.dtype
     x_b, dy_b = _take_rows(x, tokens), _take_rows(dy, tokens).astype(dt)
-    w_b = w_b[:, None]
-    w_gate, w_up, w_down = _expert(wg, e), _expert(wu, e), _expert(wd, e)
-    gate, up = x_b @ w_gate, x_b @ w_up  # recomputed: cheaper than keeping them (module docstring)
+    w_b = w_b[..., None]
+    w_gate, w_up, w_down = _experts_of(wg, e), _experts_of(wu, e), _experts_of(wd, e)
+    gate, up = _mm(x_b, w_gate), _mm(x_b, w_up)  # recomputed: cheaper than keeping them (module docstring)
     sig = jax.nn.sigmoid(gate)
     silu = gate * sig
     h = silu * up
-    dh_unweighted = dy_b @ w_down.T
+    dh_unweighted = _mm(dy_b, _t(w_down))
     # d/dw <dy, w * h @ Wd> = <dy @ Wd^T, h>: no expert output needs to be kept.
     dw_b = jnp.sum(dh_unweighted.astype(jnp.float32) * h.astype(jnp.float32), axis=-1)
     dh = dh_unweighted * w_b
     dgate = (dh * up * (sig * (1 + gate * (1 - sig)))).astype(dt)
     dup = (dh * silu).astype(dt)
-    dx_b = (dgate @ w_gate.T + dup @ w_up.T).astype(dt)
-    return x_b.T @ dgate, x_b.T @ dup, (h * w_b).astype(dt).T @ dy_b, dx_b, dw_b
+    dx_b = (_mm(dgate, _t(w_gate)) + _mm(dup, _t(w_up))).astype(dt)
+    return _mm(_t(x_b), dgate), _mm(_t(x_b), dup), _mm(_t((h * w_b).astype(dt)), dy_b), dx_b, dw_b
 
 
-def _blocked_swiglu_bwd(block, res, dy):
+def _blocked_swiglu_bwd(block, group, res, dy):
     x, wg, wu, wd, w_nk, w_row, layout = res
     rows = layout.row_token.shape[0]
 
-    def body(b, carry):
+    def body(i, carry):
         dwg, dwu, dwd, dx, dw_rows = carry
-        e = layout.block_expert[b]
-        tokens = _block_rows(layout.row_token, b, block)
-        dwg_b, dwu_b, dwd_b, dx_b, dw_b = block_backward(x, dy, _block_rows(w_row, b, block), wg, wu, wd, tokens, e)
-        return (_add_expert(dwg, e, dwg_b), _add_expert(dwu, e, dwu_b), _add_expert(dwd, e, dwd_b),
-                dx.at[tokens].add(dx_b.astype(jnp.float32), mode="drop", unique_indices=True),
-                jax.lax.dynamic_update_slice_in_dim(dw_rows, dw_b, b * block, 0))
+        experts = jax.lax.dynamic_slice_in_dim(layout.block_expert, i * group, group)
+        tokens = _group_rows(layout.row_token, i, block, group)
+        dwg_b, dwu_b, dwd_b, dx_b, dw_b = block_backward(x, dy, _group_rows(w_row, i, block, group), wg, wu, wd,
+                                                         tokens, experts)
+        for g in range(group):  # blocks of one expert may share a group: added one at a time, in place
+            dwg, dwu, dwd = (_add_expert(acc, experts[g], upd[g]) for acc, upd in
+                             ((dwg, dwg_b), (dwu, dwu_b), (dwd, dwd_b)))
+        return (dwg, dwu, dwd,
+                dx.at[tokens.reshape(-1)].add(dx_b.reshape(-1, x.shape[1]).astype(jnp.float32), mode="drop",
+                                              unique_indices=group == 1),
+                jax.lax.dynamic_update_slice_in_dim(dw_rows, dw_b.reshape(-1), i * block * group, 0))
 
     operands = (x, wg, wu, wd, dy, layout.row_token)
     init = tuple(_pvary(z, *operands) for z in (jnp.zeros_like(wg), jnp.zeros_like(wu), jnp.zeros_like(wd),
                                                jnp.zeros(x.shape, jnp.float32), jnp.zeros((rows,), jnp.float32)))
-    dwg, dwu, dwd, dx, dw_rows = jax.lax.fori_loop(0, layout.used, body, init)
+    dwg, dwu, dwd, dx, dw_rows = jax.lax.fori_loop(0, _trips(layout, group), body, init)
     dw_nk = jnp.where(layout.local, dw_rows[layout.row], 0)
     grads = [cotangent_like(ct, primal)
              for ct, primal in zip((dx.astype(x.dtype), dwg, dwu, dwd, dw_nk), (x, wg, wu, wd, w_nk))]

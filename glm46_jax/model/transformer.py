@@ -81,7 +81,7 @@ def _run_stack(stack: DecoderLayer, x, cos, sin, mask, cfg: ModelConfig, expert_
 
     if cfg.remat != "none":
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    return jax.lax.scan(body, x, (state, expert_ids))
+    return jax.lax.scan(body, x, (state, expert_ids), unroll=cfg.scan_unroll)
 
 
 def _run_stack_cached(stack: DecoderLayer, x, cos, sin, mask, cache: KVCache, index

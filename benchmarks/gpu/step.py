@@ -106,6 +106,8 @@ def run_config_for(args, batch: int):
     config.model.attention_impl = args.attention
     config.model.moe_capacity_factor = 0.0  # dropless, as GLM-4.5 trains
     config.model.moe_block_size = args.moe_block
+    if args.moe_group:  # dropless blocks per loop step; unset: the model's default
+        config.model.moe_block_group = args.moe_group
     if args.remat:
         config.model.remat = args.remat
     config.train.accum_steps = 1
@@ -288,7 +290,7 @@ def main(argv=None) -> dict[str, Any]:
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "runs", "gpu_bench"))
     for name in ("preset", "dtype", "attention", "remat"):
         p.add_argument(f"--{name}", default=None)
-    for name in ("batch", "seq-len", "steps", "warmup", "profile-steps", "moe-repeats", "moe-block"):
+    for name in ("batch", "seq-len", "steps", "warmup", "profile-steps", "moe-repeats", "moe-block", "moe-group"):
         p.add_argument(f"--{name}", type=int, default=None)
     p.add_argument("--moe-blocks", default=None, help="comma list of dropless block sizes the MoE section times")
     p.add_argument("--top", type=int, default=25, help="rows of each profile table")

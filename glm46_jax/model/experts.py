@@ -3,9 +3,10 @@
 Two layouts of the same sum_j w[t, j] * Expert_{idx[t, j]}(x[t]) (docs/sharding.md#grouped-expert-matmul):
 
 * **dropless** (`moe_capacity_factor = 0`, the default; `dropless_experts`): assignments sorted by expert, each
-  expert's group padded to a multiple of `moe_block_size` rows, and a loop over the *used* blocks only, each one
-  [block, d] x [d, f] matmul against its expert's weights, added into its tokens' fp32 output rows. The work is
-  the routed work plus at most E_local x (block - 1) padding rows, whatever the routing, and tokens routed to
+  expert's group padded to a multiple of `moe_block_size` rows, and a loop over the *used* blocks only,
+  `moe_block_group` blocks per step, each block a [block, d] x [d, f] matmul against its own expert's weights (one
+  batched matmul per step), added into its tokens' fp32 output rows. The work is the routed work plus at most
+  E_local x (block - 1) padding rows and group - 1 empty blocks, whatever the routing, and tokens routed to
   another shard's experts cost nothing here; no activation buffer is sized by the worst-case row space. `jax.lax.ragged_dot` would express the same thing, but XLA lowers it to a dense product over every
   group on CPU (and, by default, on NVIDIA GPUs): ~85x slower on this CPU for 64 experts. The loop's trip count is
   data-dependent (a while loop): XLA's cost analysis counts its body once, so tests count its FLOPs as

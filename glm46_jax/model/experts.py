@@ -250,6 +250,12 @@ def _experts_of(w: Array, e: Array) -> Array:
     return jnp.stack([jax.lax.dynamic_index_in_dim(w, e[g], keepdims=False) for g in range(e.shape[0])])
 
 
+def _step_blocks(layout: BlockLayout, i: Array, block: int, group: int) -> tuple[Array, Array]:
+    """Loop step i's blocks: their token rows [group, block] and their experts [group]."""
+    return (_group_rows(layout.row_token, i, block, group),
+            jax.lax.dynamic_slice_in_dim(layout.block_expert, i * group, group))
+
+
 def _trips(layout: BlockLayout, group: int) -> Array:
     return (layout.used + group - 1) // group
 
@@ -264,8 +270,7 @@ def _blocked_swiglu_fwd(x, wg, wu, wd, w_nk, layout: BlockLayout, block: int, gr
     w_row = _take_rows(w_nk.reshape(-1), layout.row_assign)  # fp32, 0 on padding rows
 
     def body(i, y):
-        tokens = _group_rows(layout.row_token, i, block, group)
-        experts = jax.lax.dynamic_slice_in_dim(layout.block_expert, i * group, group)
+        tokens, experts = _step_blocks(layout, i, block, group)
         y_b = block_forward(x, wg, wu, wd, tokens, experts)
         # Straight into the token's output: no [rows, d] buffer sized for the worst case. A block holds one
         # expert, so one block's tokens are distinct (a group's may repeat a token: two of its experts); padding
@@ -323,8 +328,7 @@ def _blocked_swiglu_bwd(block, group, res, dy):
 
     def body(i, carry):
         dwg, dwu, dwd, dx, dw_rows = carry
-        experts = jax.lax.dynamic_slice_in_dim(layout.block_expert, i * group, group)
-        tokens = _group_rows(layout.row_token, i, block, group)
+        tokens, experts = _step_blocks(layout, i, block, group)
         dwg_b, dwu_b, dwd_b, dx_b, dw_b = block_backward(x, dy, _group_rows(w_row, i, block, group), wg, wu, wd,
                                                          tokens, experts)
         for g in range(group):  # blocks of one expert may share a group: added one at a time, in place

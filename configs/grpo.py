@@ -17,6 +17,7 @@ import os
 
 import ml_collections
 
+from glm46_jax.cli import InputError
 from glm46_jax.lora import LoRAConfig
 from glm46_jax.run_config import RLConfig, fine_tuning_config
 
@@ -49,7 +50,7 @@ _PRESETS = {
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     if preset not in _PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(_PRESETS)}")
+        raise InputError(f"unknown preset {preset!r}; choose one of {sorted(_PRESETS)}")
     p = _PRESETS[preset]
     c = fine_tuning_config(os.path.dirname(os.path.abspath(__file__)), "grpo", preset, p)
     rl = dataclasses.asdict(RLConfig())

@@ -22,6 +22,7 @@ import os
 
 import ml_collections
 
+from glm46_jax.cli import InputError
 from glm46_jax.run_config import config_file
 
 B = 10**9
@@ -50,7 +51,7 @@ _PRESETS = {
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     if preset not in _PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(_PRESETS)}")
+        raise InputError(f"unknown preset {preset!r}; choose one of {sorted(_PRESETS)}")
     p = _PRESETS[preset]
     c = config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrain.py"), p["base"])
     c.run_dir = f"runs/midtrain_{preset}"

@@ -6,8 +6,9 @@
 
 Every ModelConfig field of the preset is listed under `model`, so any of them can be overridden
 (`--config.model.num_hidden_layers=4`); `glm46_jax.config.model_config_from_dict` turns the
-section into the typed ModelConfig. Likewise `optim` (OptimConfig), `loss` (LossConfig) and
-`balance` (BalanceConfig) list every field.
+section into the typed ModelConfig. Likewise every other section lists every field of its dataclass, with the
+dataclass's defaults (written there once, each field documented there): `mesh`, `train`, `checkpoint`, `data`,
+`distributed` (glm46_jax/run_config.py), `optim` (OptimConfig), `loss` (LossConfig), `balance` (BalanceConfig).
 
 `data.phases` is the curriculum (`glm46_jax.data.curriculum`), run in `data.phase_order`: name -> token budget,
 sequence length, global batch (rows, optionally ramped), domain mixture, RoPE theta and packing.
@@ -28,9 +29,11 @@ import ml_collections
 from ml_collections import config_dict
 
 from glm46_jax.balancing import BalanceConfig
+from glm46_jax.cli import InputError
 from glm46_jax.config import get_preset
 from glm46_jax.loss import LossConfig
 from glm46_jax.optim import OptimConfig
+from glm46_jax.run_config import CheckpointConfig, DataConfig, DistributedConfig, MeshConfig, TrainConfig
 
 T, B = 10**12, 10**9
 
@@ -112,7 +115,7 @@ _PRESETS = {
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     if preset not in _PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(_PRESETS)}")
+        raise InputError(f"unknown preset {preset!r}; choose one of {sorted(_PRESETS)}")
     p = _PRESETS[preset]
     c = ml_collections.ConfigDict()
     c.run_dir = f"runs/{preset}"
@@ -122,34 +125,23 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     model["pad_token_id"] = config_dict.placeholder(int) if model["pad_token_id"] is None else model["pad_token_id"]
     c.model = dict(preset=preset, **{**model, **p["model"]})
 
-    c.mesh = dict(data=1, tensor=1, expert=1, pipeline=1, context=1)
+    # Device counts per mesh axis; -1 = the devices the other axes leave.
+    c.mesh = dataclasses.asdict(MeshConfig())
     c.mesh.update(p["mesh"])
 
-    # steps: 0 = until the curriculum's tokens are spent. accum_steps: micro-batches per step (every
-    # phase's batch must divide). Bad steps (a NaN/Inf, or with spike_factor > 0 a loss above
-    # spike_factor x its running mean, after spike_warmup steps) are skipped; bad_steps="skip" stops the run after
-    # max_nonfinite of them in a row, "rollback" restores the last checkpoint's weights after
-    # rollback_after in a row and goes on with the next data. eval_every=0: no periodic eval (each phase still
-    # ends with one); eval_per_domain: also the held-out CE of each domain of the mixture alone (eval/<domain>/ce).
-    c.train = dict(steps=0, seed=0, log_every=50, eval_every=500, eval_batches=8, eval_per_domain=False,
-                   accum_steps=1, bad_steps="skip", max_nonfinite=10, rollback_after=3, spike_factor=0.0,
-                   spike_warmup=10, tensorboard=True)
+    # Bad steps (a NaN/Inf, or with spike_factor > 0 a loss above spike_factor x its running mean, after
+    # spike_warmup steps) are skipped; bad_steps="skip" stops the run after max_nonfinite of them in a row,
+    # "rollback" restores the last checkpoint's weights after rollback_after in a row and goes on with the next data.
+    c.train = dataclasses.asdict(TrainConfig())
     c.train.update(p.get("train", {}))
 
-    # Orbax checkpoints in <run_dir>/checkpoints: every N steps (and at the end, and on SIGTERM/SIGUSR1),
-    # the last `keep` (0 = all) plus, with keep_best, the best by best_metric. resume: "auto" continues
-    # from the newest complete checkpoint, "never" starts over. init_from: a run dir / checkpoint
-    # (e.g. from `python -m glm46_jax.convert hf-to-ckpt`) whose weights start a new run.
-    c.checkpoint = dict(every=500, keep=3, keep_best=False, best_metric="eval/ce", async_save=True, resume="auto",
-                        init_from="")
+    # Orbax checkpoints in <run_dir>/checkpoints: how often, which are kept, where a run starts from.
+    c.checkpoint = dataclasses.asdict(CheckpointConfig())
     c.checkpoint.update(p.get("checkpoint", {}))
 
-    # The corpus written by data_prep (`<root>/<domain>/<split>/*.array_record` + metadata.json).
-    # process_split: "documents" = each process reads its own 1/P of every domain (scales to many hosts);
-    # "rows" = every process reads the whole global batch and keeps its rows, so the batches (and losses)
-    # are the same for any number of processes and a run can resume on another process count, at P x
-    # the reading (fine for small jobs and tests).
-    c.data = dict(root="data/corpus", seed=0, num_workers=0, read_threads=2, process_split="documents")
+    # The corpus written by data_prep (`<root>/<domain>/<split>/*.array_record` + metadata.json). Every DataConfig
+    # field but the curriculum, which from_config_dict builds from `phases` and `phase_order`.
+    c.data = {f.name: f.default for f in dataclasses.fields(DataConfig) if f.name != "curriculum"}
     c.data.update({k: v for k, v in p["data"].items() if k != "phases"})
     c.data.phases = ml_collections.ConfigDict(p["data"]["phases"], sort_keys=False)
     # ConfigDicts may sort their keys (and JSON dumps do): the order is stated, not implied.
@@ -159,11 +151,11 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # explicit (launch/local_multiprocess.sh sets them); none set = Slurm's srun environment if present,
     # else one process. mode="off" forces one process. A process silent for heartbeat_timeout_s makes the
     # others abort (non-zero exit) instead of hanging.
-    c.distributed = dict(mode="auto", coordinator="", num_processes=0, process_id=-1, local_device_ids="",
-                         initialization_timeout_s=300, heartbeat_timeout_s=100, shutdown_timeout_s=60)
+    c.distributed = dataclasses.asdict(DistributedConfig())
 
-    # Every OptimConfig field (glm46_jax/optim.py): Muon for hidden matrices, AdamW for the rest.
-    c.optim = dataclasses.asdict(OptimConfig(lr=2.5e-4, end_lr=2.5e-5, warmup_steps=2000, decay_steps=0))
+    # Every OptimConfig field (glm46_jax/optim.py): Muon for hidden matrices, AdamW for the rest. decay_steps 0:
+    # the schedule spans the run, however many steps that is.
+    c.optim = dataclasses.asdict(OptimConfig(decay_steps=0))
     c.optim.update(p.get("optim", {}))
 
     # GLM-4.5 (docs/training.md#summary): MTP lambda 0.3 -> 0.1 and bias rate 1e-3 -> 0 at 15T tokens,

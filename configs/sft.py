@@ -20,8 +20,9 @@ import os
 
 import ml_collections
 
+from glm46_jax.cli import InputError
 from glm46_jax.lora import LoRAConfig
-from glm46_jax.run_config import fine_tuning_config
+from glm46_jax.run_config import SFTConfig, fine_tuning_config
 
 _PRESETS = {
     # LoRA rank 16 on every attention projection and dense/shared-expert FFN of make train's run: ~120 steps
@@ -61,9 +62,9 @@ _PRESETS["tiny_full"] = {**_PRESETS["tiny"], "method": "full", "lora": None,
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     if preset not in _PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(_PRESETS)}")
+        raise InputError(f"unknown preset {preset!r}; choose one of {sorted(_PRESETS)}")
     p = _PRESETS[preset]
     c = fine_tuning_config(os.path.dirname(os.path.abspath(__file__)), "sft", preset, p)
-    c.sft = dict(root=p["root"], method=p["method"], pack="best_fit", num_workers=0, **p["sft"])
+    c.sft = dataclasses.asdict(SFTConfig(root=p["root"], method=p["method"], **p["sft"]))
     c.lora = dataclasses.asdict(LoRAConfig(**(p["lora"] or {})))
     return c

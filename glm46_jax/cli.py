@@ -64,14 +64,57 @@ def run_absl(main: Callable[[list[str]], Any]) -> None:
 
     def parse(argv: list[str]) -> list[str]:
         try:
-            return flags.FLAGS(argv)
-        # ml_collections' config flags report an unknown `--config.x.y` with AttributeError/KeyError and a config
-        # file that does not load with whatever it raised: all of it is the command line the user typed.
-        except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as err:
-            print(f"error: {_one_line(err)}", file=sys.stderr)
+            return parse_flags(flags.FLAGS, argv)
+        except InputError as err:
+            print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
 
     app.run(lambda argv: main_guard(main, argv), flags_parser=parse)
+
+
+def parse_flags(flag_values: Any, argv: list[str]) -> list[str]:
+    """`flag_values(argv)` (an absl FlagValues), with a bad flag, a config file that does not load or a bad
+    `--config.x.y=` override raised as a one-line `InputError`."""
+    from absl import flags
+
+    try:
+        return flag_values(argv)
+    # ml_collections' config flags report an unknown `--config.x.y` with AttributeError/KeyError and a config
+    # file that does not load with whatever it raised: all of it is the command line the user typed.
+    except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as err:
+        _check_config_overrides(flag_values, argv)
+        raise InputError(_one_line(err)) from err
+
+
+def _check_config_overrides(flag_values: Any, argv: list[str]) -> None:
+    """InputError naming the section, the nearest and the valid fields for an override of a field the config file
+    does not have. ml_collections' own KeyError names the last key alone ('no_such_field'), and a near miss only
+    when one is close; so after a failed parse the config file is loaded again and each override's path walked."""
+    from ml_collections import config_dict
+    from ml_collections.config_flags.config_flags import ConfigFileFlagParser
+
+    from glm46_jax.config import check_known_fields  # imported late: config imports this module
+
+    for name in set(flag_values):
+        if not isinstance(flag_values[name].parser, ConfigFileFlagParser):
+            continue
+        given = [m.group(1) if m.group(1) is not None else (argv[i + 1] if i + 1 < len(argv) else None)
+                 for i, arg in enumerate(argv) if (m := re.fullmatch(rf"--?{re.escape(name)}(?:=(.*))?", arg))]
+        if not given or given[-1] is None:
+            continue
+        try:
+            config = flag_values[name].parser.parse(given[-1])
+        except Exception:  # noqa: BLE001, S112 - the file does not load: the original error says why
+            continue
+        for arg in argv:
+            if not (m := re.match(rf"--?(?:no)?{re.escape(name)}\.([^=]+)", arg)):
+                continue
+            node, where = config, name
+            for key in m.group(1).split("."):
+                if not isinstance(node, config_dict.ConfigDict) or "[" in key:  # a value, or an index: not a field
+                    break
+                check_known_fields(where, [key], node.keys())
+                node, where = node[key], f"{where}.{key}"
 
 
 def _one_line(err: BaseException) -> str:

@@ -7,11 +7,13 @@ config files in `configs/` are converted once, at the edge (`model_config_from_d
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import numbers
 import os
-from typing import Any, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from glm46_jax.cli import InputError
 
@@ -54,6 +56,26 @@ def check_choice(section: str, obj: Any, field: str, allowed: tuple[Any, ...], w
     value = getattr(obj, field)
     check_field(section, field, value, value in allowed, f"must be one of {allowed}" + (f" ({why})" if why else ""),
                 f"set --config.{section}.{field} to one of them")
+
+
+def check_known_fields(section: str, given: Iterable[str], valid: Iterable[str]) -> None:
+    """InputError "<section> has no field 'x'; nearest: ...; valid fields: ..." unless every name in `given` is
+    in `valid`. `section` is the full path the user reaches the fields by (config.model, config.data.phases.general).
+    One message for every config section, whether the config flags or a section's dataclass found the name."""
+    valid = sorted(valid)
+    unknown = sorted(set(given) - set(valid))
+    if not unknown:
+        return
+
+    def nearest(name: str) -> str:
+        return ", ".join(difflib.get_close_matches(name, valid, n=3)) or "no close match"
+
+    if len(unknown) == 1:
+        names, near = repr(unknown[0]), nearest(unknown[0])
+    else:
+        names, near = ", ".join(map(repr, unknown)), "; ".join(f"{n!r} -> {nearest(n)}" for n in unknown)
+    raise InputError(f"{section} has no field{'s' if len(unknown) > 1 else ''} {names}; nearest: {near}; "
+                     f"valid fields: {', '.join(valid)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,18 +265,15 @@ PRESETS: dict[str, ModelConfig] = {
 
 def get_preset(name: str) -> ModelConfig:
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+        raise InputError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name]
 
 
 def model_config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
     """Build a ModelConfig from a (ConfigDict-like) mapping; `preset` picks the base."""
     d = dict(d)
+    check_known_fields("config.model", d, [f.name for f in dataclasses.fields(ModelConfig)] + ["preset"])
     base = get_preset(d.pop("preset", "tiny"))
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(d) - fields)
-    if unknown:
-        raise ValueError(f"config.model has unknown fields {unknown}; valid fields: {sorted(fields)}")
     if "eos_token_id" in d:
         d["eos_token_id"] = _as_tuple(d["eos_token_id"])
     return base.replace(**d)

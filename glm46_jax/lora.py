@@ -23,7 +23,7 @@ from flax import nnx
 
 from glm46_jax import sharding
 from glm46_jax.cli import InputError
-from glm46_jax.config import check_choice, check_field, check_range
+from glm46_jax.config import check_choice, check_field, check_known_fields, check_range
 from glm46_jax.model.adapters import Adapter, LoRA
 from glm46_jax.model.attention import Attention
 from glm46_jax.model.layers import MLP, ExpertBias
@@ -73,10 +73,7 @@ class LoRAConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LoRAConfig:
-        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise InputError(f"lora.{unknown[0]}: unknown LoRA field; the fields are "
-                             f"{', '.join(f.name for f in dataclasses.fields(cls))}")
+        check_known_fields("config.lora", d, [f.name for f in dataclasses.fields(cls)])
         return cls(**d)
 
 

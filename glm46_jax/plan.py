@@ -498,7 +498,7 @@ def _flags(argv: list[str]):
         print(f"python -m glm46_jax.plan --config=configs/pretrain.py:glm45 --mesh=data=32,tensor=8,expert=32 ...\n\n"
               f"{__doc__}\n{fv.get_help()}")
         raise SystemExit(0)
-    fv(["glm46_jax.plan", *argv])
+    cli.parse_flags(fv, ["glm46_jax.plan", *argv])  # a bad flag or --config.x.y: one-line InputError
     if f["config"].value is None:
         raise cli.InputError("--config is required, e.g. --config=configs/pretrain.py:glm45")
     return {"config_path": fv["config"].config_filename, **{k: v.value for k, v in f.items()}}

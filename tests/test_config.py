@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from glm46_jax.cli import InputError
-from glm46_jax.config import (GLM45, GLM45_AIR, GLM46, PRESETS, TINY, ModelConfig, from_hf_config,
-                              model_config_from_dict, to_hf_config)
+from glm46_jax.config import (GLM45, GLM45_AIR, GLM46, PRESETS, TINY, ModelConfig, check_known_fields,
+                              from_hf_config, get_preset, model_config_from_dict, to_hf_config)
 from glm46_jax.counting import attention_params, dense_layer_params, moe_layer_params, param_counts
 from glm46_jax.model import abstract_model
 
@@ -140,6 +140,32 @@ def test_model_config_error_is_one_line_for_the_cli():
     with pytest.raises(InputError, match=r"^model\.num_key_value_heads=3: must divide num_attention_heads=8 "
                        r"\(GQA groups\); set --config\.model\.num_key_value_heads to a divisor"):
         dataclasses.replace(TINY, num_key_value_heads=3)
+
+
+def test_an_unknown_field_names_the_section_the_nearest_and_the_valid_names():
+    check_known_fields("config.train", ["steps", "seed"], ["seed", "steps", "eval_every"])  # all known: no error
+    with pytest.raises(InputError) as err:
+        check_known_fields("config.train", ["stpes", "seed"], ["seed", "steps", "eval_every"])
+    assert str(err.value) == "config.train has no field 'stpes'; nearest: steps; valid fields: eval_every, seed, steps"
+    with pytest.raises(InputError, match=r"^config.model has no field 'no_such_field'; nearest: no close match; "
+                       r"valid fields: a, b$"):
+        check_known_fields("config.model", ["no_such_field"], ["b", "a"])
+    with pytest.raises(InputError) as err:
+        check_known_fields("config.x", ["zz", "evl_every"], ["eval_every", "steps"])
+    assert str(err.value) == ("config.x has no fields 'evl_every', 'zz'; nearest: 'evl_every' -> eval_every; "
+                              "'zz' -> no close match; valid fields: eval_every, steps")
+
+
+def test_unknown_model_fields_and_presets_are_input_errors():
+    """The one error type for a user's bad input (cli.InputError), with check_known_fields' message."""
+    with pytest.raises(InputError, match=r"^config.model has no field 'hiden_size'; nearest: hidden_size, hidden_act"
+                       r"; valid fields: attention_bias, .*, preset, .*, vocab_size$"):
+        model_config_from_dict({"preset": "tiny", "hiden_size": 64})
+    assert model_config_from_dict({"preset": "tiny", "hidden_size": 32}).hidden_size == 32
+    with pytest.raises(InputError, match=r"^unknown model preset 'nosuch'; choose one of \['glm45', "):
+        get_preset("nosuch")
+    with pytest.raises(InputError, match="unknown model preset 'nosuch'"):
+        model_config_from_dict({"preset": "nosuch"})
 
 
 def test_every_preset_and_default_validates():

@@ -147,6 +147,12 @@ def test_parsers():
             plan_lib.parse_mesh(bad)
 
 
+def test_an_unknown_config_override_names_its_section():
+    # ml_collections raised a bare AttributeError("'nosuch'") here, a traceback from the CLI.
+    with pytest.raises(InputError, match=r"^config.model has no field 'remt'; nearest: remat, preset; valid fields: "):
+        plan_lib.main([f"--config={CONFIG}:tiny", "--mesh=data=1", "--config.model.remt=full"])
+
+
 def test_device_memory_takes_every_size_form(capsys):
     """--device-memory=80e9 is 80 GB exactly as 80GB is (it was refused once: plan had a parser of its own)."""
     verdicts = set()

@@ -75,32 +75,31 @@ def main() -> None:
     cfg = build_config(args, data)
     recipe, state = rl_recipe.build(cfg)
     recipe.start(None, None)
-    recipe.policy = state
-    step = recipe.steps_for(recipe.segment())[0]
+    step = recipe.steps_for(recipe.segment())
 
-    def rollout():
-        """(rollout seconds, of which sampling, generated tokens)."""
+    def rollout(state):
+        """(rollout seconds, of which sampling, generated tokens) of a rollout sampled from `state`."""
         t0 = time.perf_counter()
-        recipe._rollout()
+        recipe._rollout(state)
         seconds = time.perf_counter() - t0
         stats = dict(recipe.stats)
         return seconds, stats["sampling_s"], stats["response_len"] * stats["sampled_groups"] * args.group_size
 
     def update(state):
-        inp = recipe.next_input(float("inf"))
+        inp = recipe.next_input(state, float("inf"))
         t0 = time.perf_counter()
         with sharding.use_mesh(recipe.mesh):
-            state, metrics = step(state, inp.batch, inp.controls)
+            state, metrics = step(state, inp.batch, inp.controls, recipe.frozen)
             jax.block_until_ready(metrics)
         return state, time.perf_counter() - t0, inp.batch["inputs"].size
 
     # Warm-up: compile the sampler and the update.
-    rollout()
+    rollout(state)
     for _ in range(args.minibatches):
         state, *_ = update(state)
     rows = []
     for _ in range(args.rollouts):
-        roll_s, sample_s, new_tokens = rollout()
+        roll_s, sample_s, new_tokens = rollout(state)
         train_s, train_tokens = 0.0, 0
         for _ in range(args.minibatches):
             state, seconds, tokens = update(state)

@@ -69,15 +69,15 @@ def bench(cfg: RunConfig, steps: int = 20, warmup: int = 3,
         batch = run.device_batch({"inputs": x[:, :-1].astype(np.int32), "targets": x[:, 1:].astype(np.int32)})
         ctrl = run.controls_at(0)  # MTP weight 0.3, balancing rate 1e-3: everything on
         t0 = time.perf_counter()
-        step = run.steps_for(phase)[0].lower(state, batch, ctrl).compile()
+        step = run.steps_for(phase).lower(state, batch, ctrl, run.frozen).compile()
         compile_s = time.perf_counter() - t0
         for _ in range(warmup):
-            state, m = step(state, batch, ctrl)
+            state, m = step(state, batch, ctrl, run.frozen)
         jax.block_until_ready(state)
         times = []
         for _ in range(steps):  # per-step times: the spread shows noise from other tenants
             t0 = time.perf_counter()
-            state, m = step(state, batch, ctrl)
+            state, m = step(state, batch, ctrl, run.frozen)
             jax.block_until_ready(state)
             times.append(time.perf_counter() - t0)
     peak_flops, peak_source = metrics.system_peak(devs)

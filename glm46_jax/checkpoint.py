@@ -11,6 +11,8 @@ complete, so a half-written step never looks like a step):
     optimizer/   {"step", "opt_state"}: the optax state mirrors the params (nnx.State leaves)
     data/        JSON: every process's data-iterator state (the curriculum's, see data.curriculum)
     meta/        JSON: model config, resolved run config, tokens seen, tokenizer reference
+    others/      only with several trained models (`TrainState.others`): {name: {params, buffers, opt_state}},
+                 their architectures in meta's "model_configs"
 `save_params` (final weights, `convert hf-to-ckpt`) writes only model/ and meta/.
 
 Random state: the train step draws no random numbers (GLM trains without dropout and routes
@@ -41,7 +43,7 @@ from glm46_jax.config import RUNTIME_FIELDS, ModelConfig, model_config_from_dict
 from glm46_jax.model import abstract_model, pipeline
 
 CHECKPOINTS = "checkpoints"
-ITEMS = ("model", "optimizer", "data", "meta")
+ITEMS = ("model", "optimizer", "data", "meta", "others")
 # How the model runs may change at load time; what it is (param_dtype included) comes from the weights.
 _OVERRIDABLE = tuple(f for f in RUNTIME_FIELDS if f != "param_dtype")
 
@@ -62,6 +64,31 @@ def _quiet_orbax() -> None:
 def _model_tree(params: nnx.State, buffers: nnx.State) -> dict[str, Any]:
     # Pure dicts, not NNX Variables: the weights' on-disk format does not depend on Flax internals.
     return {"params": nnx.to_pure_dict(params), "buffers": nnx.to_pure_dict(buffers)}
+
+
+def _others_tree(others: dict[str, Any], meta: dict[str, Any], target: bool = False) -> dict[str, Any]:
+    """The further trained models' weights and optimizer states as pure trees, each MoE stack in layer order."""
+    out = {}
+    for name, m in others.items():
+        cfg = model_config_from_dict(meta["model_configs"][name])
+        trees = (m.params, m.buffers, m.opt_state)
+        params, buffers, opt_state = (pipeline.layer_order_target if target else pipeline.in_layer_order)(trees, cfg)
+        out[name] = {**_model_tree(params, buffers), "opt_state": opt_state}
+    return out
+
+
+def _others_from_tree(restored: dict[str, Any], target: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for name, m in target.items():
+        cfg = model_config_from_dict(meta["model_configs"][name])
+        in_order = pipeline.layer_order_target((m.params, m.buffers, m.opt_state), cfg)
+        params, buffers = jax.tree.map(lambda x: x, in_order[:2])  # copies of the structure
+        nnx.replace_by_pure_dict(params, restored[name]["params"])
+        nnx.replace_by_pure_dict(buffers, restored[name]["buffers"])
+        placed = pipeline.placed_like((params, buffers, restored[name]["opt_state"]),
+                                      (m.params, m.buffers, m.opt_state), cfg)
+        out[name] = m.replace(params=placed[0], buffers=placed[1], opt_state=placed[2])
+    return out
 
 
 def _all_processes_json(obj: Any) -> list[Any]:
@@ -128,12 +155,14 @@ class Checkpointer:
         cfg = model_config_from_dict(meta["model_config"]) if "model_config" in meta else None
         params, buffers, opt_state = ((state.params, state.buffers, state.opt_state) if cfg is None else
                                       pipeline.in_layer_order((state.params, state.buffers, state.opt_state), cfg))
-        args = ocp.args.Composite(
+        items = dict(
             model=ocp.args.StandardSave(_model_tree(params, buffers)),
             optimizer=ocp.args.StandardSave({"step": state.step, "opt_state": opt_state}),
             data=ocp.args.JsonSave({"processes": _all_processes_json(data_state)}),
             meta=ocp.args.JsonSave(meta))
-        self._mngr.save(step, args=args, metrics=metrics, force=True)
+        if state.others:
+            items["others"] = ocp.args.StandardSave(_others_tree(state.others, meta))
+        self._mngr.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
 
     def wait(self) -> None:
         self._mngr.wait_until_finished()
@@ -174,13 +203,16 @@ class Checkpointer:
     def _restore(self, step: int, target, shared_data: bool):
         abstract = lambda tree: jax.tree.map(  # noqa: E731
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-        cfg = model_config_from_dict(read_meta(os.path.join(self.directory, str(step)))["model_config"])
+        meta = read_meta(os.path.join(self.directory, str(step)))
+        cfg = model_config_from_dict(meta["model_config"])
         in_order = pipeline.layer_order_target((target.params, target.buffers, target.opt_state), cfg)
         model_target = abstract(_model_tree(*in_order[:2]))
         opt_target = abstract({"step": target.step, "opt_state": in_order[2]})
-        r = self._mngr.restore(step, args=ocp.args.Composite(
-            model=ocp.args.StandardRestore(model_target), optimizer=ocp.args.StandardRestore(opt_target),
-            data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+        items = dict(model=ocp.args.StandardRestore(model_target), optimizer=ocp.args.StandardRestore(opt_target),
+                     data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
+        if target.others:
+            items["others"] = ocp.args.StandardRestore(abstract(_others_tree(target.others, meta, target=True)))
+        r = self._mngr.restore(step, args=ocp.args.Composite(**items))
         processes = r["data"]["processes"]
         if shared_data:
             processes = processes[:1] * jax.process_count()
@@ -195,6 +227,8 @@ class Checkpointer:
         params, buffers, opt_state = pipeline.placed_like((params, buffers, r["optimizer"]["opt_state"]),
                                                           (target.params, target.buffers, target.opt_state), cfg)
         state = target.replace(step=r["optimizer"]["step"], params=params, buffers=buffers, opt_state=opt_state)
+        if target.others:
+            state = state.replace(others=_others_from_tree(r["others"], target.others, meta))
         return state, processes[jax.process_index()], dict(r["meta"])
 
     def close(self) -> None:
@@ -202,14 +236,12 @@ class Checkpointer:
         self._mngr.close()
 
 
-def resume_or_init(ckpt: Checkpointer, state, *, resume: str, init_from: str, model_cfg: ModelConfig,
-                   mesh: jax.sharding.Mesh, shared_data: bool = False) -> tuple[int, Any, Any | None]:
+def resume(ckpt: Checkpointer, state, *, resume: str, shared_data: bool = False) -> tuple[int, Any, Any | None]:
     """(first step to run, state, data-iterator state to continue from or None) for a starting run.
 
-    resume="auto": the newest complete checkpoint in `ckpt`, if any. Otherwise a fresh start: from
-    `state` as initialised, or with `init_from` (another run's or an HF import's checkpoint) the
-    weights of that checkpoint, whose architecture must be `model_cfg`'s. resume="never" refuses a
-    run dir that already holds checkpoints: starting over would overwrite them.
+    resume="auto": the newest complete checkpoint in `ckpt`, if any; else a fresh start from `state` as built
+    (its starting weights are `models.build`'s). resume="never" refuses a run dir that already holds checkpoints:
+    starting over would overwrite them.
     """
     if resume == "auto":
         restored = ckpt.restore_latest(state, shared_data=shared_data)
@@ -220,15 +252,6 @@ def resume_or_init(ckpt: Checkpointer, state, *, resume: str, init_from: str, mo
     elif ckpt.steps():
         raise InputError(f"{ckpt.directory} already holds checkpoints {ckpt.steps()} and checkpoint.resume=never: "
                          "use a new --config.run_dir, or --config.checkpoint.resume=auto to continue that run")
-    if init_from:  # mid-training / fine-tuning: the weights of another run or an HF import
-        init_cfg, _, params, buffers = load_params(init_from, mesh)
-        check_same_model(init_cfg, model_cfg, f"checkpoint.init_from={init_from}")
-        fresh = read_meta(latest_checkpoint(init_from)).get("fresh_init") or []
-        if fresh:
-            logging.warning("checkpoint.init_from=%s: %s were not in the imported weights and start from a fresh "
-                            "initialisation", init_from, ", ".join(fresh))
-        logging.info("initialised the weights from %s", init_from)
-        state = state.replace(params=params, buffers=buffers)
     return 1, state, None
 
 
@@ -256,6 +279,12 @@ def save_params(directory: str | os.PathLike, step: int, params: nnx.State, buff
     mngr.wait_until_finished()
     mngr.close()
     return os.path.join(directory, str(int(step)))
+
+
+def saved_steps(run_dir: str) -> list[int]:
+    """The committed training checkpoints of a run dir (no manager is created, nothing is written)."""
+    directory = os.path.join(os.path.abspath(run_dir), CHECKPOINTS)
+    return sorted(ocp.utils.checkpoint_steps(directory)) if os.path.isdir(directory) else []
 
 
 def latest_checkpoint(path: str | os.PathLike) -> str:

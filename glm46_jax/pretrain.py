@@ -1,59 +1,43 @@
 """Pre-training (and mid-training) as a recipe of the generic trainer: a curriculum of phases.
 
     recipe, state = pretrain.build(run_cfg)          # mesh, model, optimizer, state; nothing compiled
-    recipe.start(data_state=None)                     # the curriculum's batches, from the start or a checkpoint
+    recipe.start(state, data_state=None)              # the curriculum's batches, from the start or a checkpoint
     state, summary = trainer.fit(recipe, state, ...)
 
 Each curriculum phase (`data.curriculum.Phase`) is a segment of the run: it brings its sequence
 length, batch, mixture, packing and RoPE theta, so the step is traced per RoPE theta and compiled
 per batch shape. The step is `train_step.make_train_step` (Muon + AdamW, MTP and aux losses,
 loss-free balancing); the MTP weight and the balancing rate follow the tokens seen (`controls_at`).
-A fine-tuning or RL recipe implements the same `trainer.Recipe` methods with its own batches
-and step.
+The starting weights are `checkpoint.init_from`'s (mid-training) or a random init (`models.build`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
-import optax
 from absl import logging
 
-from glm46_jax import sharding
-from glm46_jax.balancing import rate_at
-from glm46_jax.cli import InputError
+from glm46_jax import models
 from glm46_jax.config import ModelConfig
-from glm46_jax.counting import flops_per_token
 from glm46_jax.data import loader
 from glm46_jax.data.curriculum import Curriculum, CurriculumIterator, Phase
 from glm46_jax.data.loader import LoaderConfig
-from glm46_jax.loss import mtp_weight_at
-from glm46_jax.model import abstract_model, init_model
-from glm46_jax.optim import build_optimizer
+from glm46_jax.model import abstract_model
+from glm46_jax.recipe_base import LanguageModeling
 from glm46_jax.run_config import RunConfig
-from glm46_jax.train_step import StepConfig, TrainState, controls, init_state, make_eval_step, make_train_step
+from glm46_jax.train_step import TrainState
 from glm46_jax.trainer import StepInput
 
 
 @dataclasses.dataclass
-class Pretraining:
-    """The pre-training recipe (`trainer.Recipe`): curriculum batches into the train step."""
-    cfg: RunConfig
-    mesh: jax.sharding.Mesh
-    tx: optax.GradientTransformation
-    lr_schedule: optax.Schedule
-    loader_cfg: LoaderConfig
-    tokenizer: dict[str, str] | None = None  # the corpus's tokenizer.json, recorded in checkpoints
+class Pretraining(LanguageModeling):
+    """The pre-training recipe (`trainer.Recipe`): curriculum batches into the language-model step."""
+    loader_cfg: LoaderConfig | None = None
     data: CurriculumIterator | None = None  # set by `start`
-
-    @property
-    def total_steps(self) -> int:
-        return self.cfg.total_steps
 
     @property
     def curriculum(self) -> Curriculum:
@@ -64,50 +48,36 @@ class Pretraining:
         """data.process_split="rows": every process reads the whole batch."""
         return self.cfg.data.process_split == "rows"
 
-    @property
-    def step_cfg(self) -> StepConfig:
-        return StepConfig(loss=self.cfg.loss, balance_mtp=self.cfg.balance.include_mtp,
-                          accum_steps=self.cfg.train.accum_steps)
+    def tokenizer_source(self) -> str | None:
+        return os.path.join(self.cfg.data.root, "tokenizer.json")
 
     def model_for(self, phase: Phase) -> ModelConfig:
         return dataclasses.replace(self.cfg.model, rope_theta=float(phase.rope_theta))
 
-    def steps_for(self, phase: Phase) -> tuple[Any, Any]:
-        """(train_step, eval_step), jitted, for the phase's model config (phases sharing a RoPE
-        theta share one traced step)."""
-        return _steps(self.model_for(phase), self.mesh, self.tx, self.step_cfg, self.lr_schedule)
-
-    def flops_per_token(self, phase: Phase) -> float:
-        return flops_per_token(self.cfg.model, phase.seq_len)
+    def graphdef_for(self, phase: Phase):
+        return abstract_model(self.model_for(phase), self.mesh)[0]  # the parameters are the same for every theta
 
     def describe(self, phase: Phase) -> dict[str, float]:
         return {"seq_len": phase.seq_len, "rope_theta": phase.rope_theta}
 
-    def controls_at(self, tokens_seen: int, max_loss: float = float("inf")):
-        """The token-scheduled scalars for a step starting after `tokens_seen` tokens."""
-        with jax.transfer_guard_host_to_device("allow"):
-            return controls(mtp_weight_at(self.cfg.loss, tokens_seen), rate_at(self.cfg.balance, tokens_seen),
-                            max_loss)
-
-    def device_batch(self, local: Mapping[str, np.ndarray], *, train: bool = True) -> dict[str, jax.Array]:
-        return loader.to_global(local, self.mesh, accum_steps=self.cfg.train.accum_steps if train else 1,
-                                global_rows=self.global_rows)
+    def current_segment(self) -> Phase:
+        return self.curriculum.phases[-1]
 
     # --- the batch source ---------------------------------------------------------------------
 
-    def start(self, data_state: Any | None = None) -> None:
+    def start(self, state: TrainState, data_state: Any | None = None) -> None:
         self.data = CurriculumIterator(self.curriculum, self.loader_cfg)
         if data_state is not None:
             self.data.set_state(data_state)
 
-    def next_input(self, max_loss: float) -> StepInput:
+    def next_input(self, state: TrainState, max_loss: float) -> StepInput:
         tokens_before = self.data.tokens_seen
         phase, local = next(self.data)
         # The iterator's state right after this batch is what a checkpoint after its step holds.
         return StepInput(phase, self.device_batch(local), self.controls_at(tokens_before, max_loss),
                          self.data.tokens_seen, self.data.get_state())
 
-    def eval_batches(self, phase: Phase, count: int) -> dict[str, list[dict[str, jax.Array]]]:
+    def eval_sets(self, phase: Phase, count: int) -> dict[str, list[dict[str, jax.Array]]]:
         """`count` held-out batches of the phase's mixture (name ""), length and packing, and with
         train.eval_per_domain of each of its domains alone (named by the domain: "domain vs general" in
         mid-training). A domain without held-out data is left out with a warning; {} when none has any."""
@@ -128,46 +98,24 @@ class Pretraining:
             out[name] = [self.device_batch(next(it), train=False) for _ in range(count)]
         return out
 
-    def checkpoint_meta(self, phase: Phase, tokens_seen: int) -> dict[str, Any]:
-        return {"model_config": dataclasses.asdict(self.model_for(phase)), "phase": phase.name,
-                "tokens_seen": tokens_seen, "tokenizer": self.tokenizer, "config": dict(self.cfg.source)}
-
     def close(self) -> None:
         if self.data is not None:
             self.data.close()
 
 
-@functools.lru_cache(maxsize=8)
-def _steps(cfg: ModelConfig, mesh, tx, step_cfg: StepConfig, lr_schedule):
-    graphdef = abstract_model(cfg, mesh)[0]  # the parameters are the same for every RoPE theta
-    return (make_train_step(graphdef, tx, cfg, step_cfg, lr_schedule=lr_schedule),
-            make_eval_step(graphdef, cfg, step_cfg.loss))
-
-
-def _check_batches(curriculum: Curriculum, accum: int, batch_shards: int, context: int) -> None:
-    for p in curriculum.phases:
-        sharding.check_context_split(p.seq_len, context, f"data.phases.{p.name}.seq_len")
-        unit = p.rows_unit
-        if unit % accum or (unit // accum) % batch_shards:
-            raise InputError(
-                f"data.phases.{p.name}: batches of {unit} rows (global_batch, or the ramp's increment) must split "
-                f"into train.accum_steps={accum} micro-batches of a multiple of {batch_shards} rows (the mesh's "
-                f"data x expert devices). Change the phase's global_batch / batch_ramp, accum_steps or the mesh.")
-
-
 def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[Pretraining, TrainState]:
-    """Mesh -> model -> optimizer -> train state (nothing compiled, no data read yet)."""
+    """Mesh -> model (`checkpoint.init_from`'s weights or a random init) -> optimizer -> train state (nothing
+    compiled, no data read yet)."""
     accum = cfg.train.accum_steps
-    sizes = sharding.mesh_shape(cfg.mesh.sizes(), len(devices) if devices is not None else jax.device_count())
-    _check_batches(cfg.data.curriculum, accum, sizes["data"] * sizes["expert"], sizes["context"])
-    first = cfg.data.curriculum.phases[0]
-    mesh = sharding.make_mesh(cfg.mesh.sizes(), devices, cfg=cfg.model, global_batch=first.rows_unit // accum)
-    _, params, buffers = init_model(cfg.model, mesh, cfg.train.seed)
-    tx, lr_schedule = build_optimizer(cfg.optim, params)
-    with sharding.use_mesh(mesh):
-        state = init_state(params, buffers, tx)
+    # A ramped phase's batches grow by rows_unit, so that is what must split.
+    batches = [models.BatchShape(f"data.phases.{p.name}.global_batch (or its batch_ramp increment)", p.rows_unit,
+                                 f"data.phases.{p.name}.seq_len", p.seq_len, accum)
+               for p in cfg.data.curriculum.phases]
+    built = models.build(cfg, devices, [models.ModelSpec("model", cfg.model, init_from=cfg.checkpoint.init_from)],
+                         batches)
     d = cfg.data
     rows = {"process_index": 0, "process_count": 1} if d.process_split == "rows" else {}
     loader_cfg = LoaderConfig(root=d.root, seed=d.seed, num_workers=d.num_workers, read_threads=d.read_threads,
                               **rows)
-    return Pretraining(cfg, mesh, tx, lr_schedule, loader_cfg), state
+    logging.info("%d steps over phases %s", cfg.total_steps, [p.name for p in cfg.data.curriculum.phases])
+    return Pretraining(cfg, built, loader_cfg=loader_cfg), built.state

@@ -14,15 +14,18 @@ OptimConfig, LossConfig, BalanceConfig) and validate themselves the same way (do
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from glm46_jax.balancing import BalanceConfig
 from glm46_jax.cli import InputError
-from glm46_jax.config import ModelConfig, check_choice, check_field, check_range, model_config_from_dict
+from glm46_jax.config import (ModelConfig, check_choice, check_field, check_known_fields, check_range,
+                              model_config_from_dict)
 from glm46_jax.data import curriculum as curriculum_lib
 from glm46_jax.data.curriculum import Curriculum
 from glm46_jax.lora import LoRAConfig
@@ -44,12 +47,12 @@ class TrainConfig:
     eval_every: int = 500  # 0 = no periodic eval (every phase still ends with one)
     eval_batches: int = 8
     eval_per_domain: bool = False  # also eval/<domain>/ce for each domain of a phase's mixture, alone
-    accum_steps: int = 1  # micro-batches per step
+    accum_steps: int = 1  # micro-batches per step (every phase's batch must divide by it)
     bad_steps: str = "skip"  # skip | rollback
     max_nonfinite: int = 10  # "skip": stop after this many bad steps in a row
     rollback_after: int = 3  # "rollback": restore the last checkpoint after this many in a row
     spike_factor: float = 0.0  # a loss above factor x its running mean is a bad step; 0 = off
-    spike_warmup: int = 10
+    spike_warmup: int = 10  # steps of the running mean before spike_factor applies
     tensorboard: bool = True
 
     def __post_init__(self):
@@ -69,7 +72,7 @@ class CheckpointConfig:
     best_metric: str = "eval/ce"  # e.g. "eval/code/ce" (with train.eval_per_domain) in mid-training
     async_save: bool = True
     resume: str = "auto"  # auto: continue from the newest complete checkpoint | never: start fresh
-    init_from: str = ""  # a run dir / checkpoint whose weights start a new run
+    init_from: str = ""  # a run dir / checkpoint (e.g. from `convert hf-to-ckpt`) whose weights start a new run
 
     def __post_init__(self):
         _at_least("checkpoint", self, 1, "every")
@@ -87,7 +90,10 @@ class DataConfig:
     seed: int = 0
     num_workers: int = 0
     read_threads: int = 2
-    process_split: str = "documents"  # documents: each process reads 1/P of every domain | rows: all, keeps its rows
+    # documents: each process reads its own 1/P of every domain (scales to many hosts) | rows: every process reads the
+    # whole global batch and keeps its rows, so the batches (and losses) are the same for any number of processes
+    # and a run can resume on another process count, at P x the reading (fine for small jobs and tests)
+    process_split: str = "documents"
 
     def __post_init__(self):
         _at_least("data", self, 0, "seed", "num_workers")
@@ -266,35 +272,23 @@ class RunConfig:
     # The config file's values as given (JSON): written to run_dir/config.json and the checkpoints' meta,
     # so a run can be reproduced from them.
     source: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
-    recipe: str = "pretrain"  # pretrain (and mid-training) | sft | grpo
+    recipe: str = "pretrain"  # a name in RECIPES: pretrain (and mid-training) | sft | grpo
     sft: SFTConfig | None = None  # recipe "sft": the chat data and full vs LoRA
     lora: LoRAConfig | None = None  # sft.method / rl.method "lora": the adapters
     rl: RLConfig | None = None  # recipe "grpo": reinforcement learning with verifiable rewards
 
     def __post_init__(self):
-        check_choice("config", self, "recipe", ("pretrain", "sft", "grpo"))
-        if self.recipe == "grpo" and self.rl is None:
-            raise InputError("recipe=grpo needs a config.rl section (see configs/grpo.py)")
-        if self.recipe == "grpo" and self.rl.method == "lora" and self.lora is None:
-            raise InputError("rl.method=lora needs a config.lora section (rank, alpha, targets; see configs/sft.py)")
-        if self.recipe == "sft" and self.sft is None:
-            raise InputError("recipe=sft needs a config.sft section (see configs/sft.py)")
-        if self.recipe == "sft" and self.sft.method == "lora" and self.lora is None:
-            raise InputError("sft.method=lora needs a config.lora section (rank, alpha, targets; see configs/sft.py)")
+        check_choice("config", self, "recipe", tuple(RECIPES))
+        entry = RECIPES[self.recipe]
+        if entry.section and getattr(self, entry.section) is None:
+            raise InputError(f"recipe={self.recipe} needs a config.{entry.section} section (see configs/"
+                             f"{self.recipe}.py)")
+        section = getattr(self, entry.section) if entry.section else None
+        if getattr(section, "method", None) == "lora" and self.lora is None:
+            raise InputError(f"{entry.section}.method=lora needs a config.lora section (rank, alpha, targets; see "
+                             "configs/sft.py)")
+        entry.check(self)
         stages = self.mesh.sizes().get("pipeline", 1)
-        # Combinations the pipeline's slot-ordered MoE stack does not support (docs/pipeline.md#limits).
-        if stages > 1 and self.recipe == "sft" and self.sft.method == "lora":
-            raise InputError(f"mesh.pipeline={stages} with sft.method=lora: LoRA adapters are not built for the "
-                             "pipeline's layer layout; set mesh.pipeline=1 (or sft.method=full)")
-        if stages > 1 and self.recipe == "grpo":
-            raise InputError(f"mesh.pipeline={stages} with recipe grpo: RL samples with the KV-cache generator and "
-                             "replays routing, which run the layers in order, not in pipeline stages; set "
-                             "mesh.pipeline=1 (give the devices to mesh.data or mesh.expert)")
-        context = self.mesh.sizes().get("context", 1)
-        if context > 1 and self.recipe == "grpo":
-            raise InputError(f"mesh.context={context} with recipe grpo: RL samples with the KV-cache generator, "
-                             "which keeps each sequence whole on a device; set mesh.context=1 (give the devices to "
-                             "mesh.data or mesh.expert)")
         if stages > 1 and self.optim.layer_decay != 1.0:
             raise InputError(f"mesh.pipeline={stages} with optim.layer_decay={self.optim.layer_decay}: layer-wise lr "
                              "decay counts depth in layer order, not the pipeline's slot order; set "
@@ -304,13 +298,55 @@ class RunConfig:
             raise InputError(f"checkpoint.best_metric={metric!r} is a per-domain metric, which only "
                              "train.eval_per_domain=True computes; set it, or rank by eval/ce")
 
-    @property
+    @functools.cached_property
     def total_steps(self) -> int:
-        if self.recipe == "sft":
-            return sft_steps(self.sft, self.train.steps)
-        if self.recipe == "grpo":
-            return rl_steps(self.rl, self.train.steps)
-        return total_steps(self.data, self.train)
+        """The run's length: the one place it is computed (the recipe's rule, read once)."""
+        return RECIPES[self.recipe].steps(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeEntry:
+    """A recipe by name (`config.recipe`; docs/trainer.md#adding-a-recipe)."""
+    # "module:function", imported when a run starts (or the function itself): build(run_cfg, devices) ->
+    # (trainer.Recipe, TrainState)
+    build: str | Callable[..., Any]
+    steps: Callable[[RunConfig], int]  # the run's length
+    section: str | None = None  # the config section it needs (its settings), e.g. "sft"
+    check: Callable[[RunConfig], None] = lambda cfg: None  # what it cannot run with (InputError)
+
+    def load(self) -> Callable[..., Any]:
+        if callable(self.build):
+            return self.build
+        module, name = self.build.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+def _check_sft(cfg: RunConfig) -> None:
+    stages = cfg.mesh.sizes().get("pipeline", 1)
+    # Combinations the pipeline's slot-ordered MoE stack does not support (docs/pipeline.md#limits).
+    if stages > 1 and cfg.sft.method == "lora":
+        raise InputError(f"mesh.pipeline={stages} with sft.method=lora: LoRA adapters are not built for the "
+                         "pipeline's layer layout; set mesh.pipeline=1 (or sft.method=full)")
+
+
+def _check_grpo(cfg: RunConfig) -> None:
+    stages, context = cfg.mesh.sizes().get("pipeline", 1), cfg.mesh.sizes().get("context", 1)
+    if stages > 1:
+        raise InputError(f"mesh.pipeline={stages} with recipe grpo: RL samples with the KV-cache generator and "
+                         "replays routing, which run the layers in order, not in pipeline stages; set "
+                         "mesh.pipeline=1 (give the devices to mesh.data or mesh.expert)")
+    if context > 1:
+        raise InputError(f"mesh.context={context} with recipe grpo: RL samples with the KV-cache generator, "
+                         "which keeps each sequence whole on a device; set mesh.context=1 (give the devices to "
+                         "mesh.data or mesh.expert)")
+
+
+# Every recipe `python -m glm46_jax.train` runs, by `config.recipe`: the one table the driver looks them up in.
+RECIPES: dict[str, RecipeEntry] = {
+    "pretrain": RecipeEntry("glm46_jax.pretrain:build", lambda c: total_steps(c.data, c.train)),
+    "sft": RecipeEntry("glm46_jax.sft:build", lambda c: sft_steps(c.sft, c.train.steps), "sft", _check_sft),
+    "grpo": RecipeEntry("glm46_jax.rl.recipe:build", lambda c: rl_steps(c.rl, c.train.steps), "rl", _check_grpo),
+}
 
 
 def total_steps(data: DataConfig, train: TrainConfig) -> int:
@@ -320,10 +356,8 @@ def total_steps(data: DataConfig, train: TrainConfig) -> int:
 
 
 def _section(cls: type, name: str, values: Mapping[str, Any], **extra: Any):
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise InputError(f"config.{name} has unknown fields {unknown}; valid fields: {sorted(fields - set(extra))}")
+    # `extra` is what from_config_dict builds itself (data's curriculum), not a name the user may set.
+    check_known_fields(f"config.{name}", values, {f.name for f in dataclasses.fields(cls)} - set(extra))
     return cls(**{**dict(values), **extra})
 
 
@@ -345,22 +379,16 @@ def from_config_dict(config: Any) -> RunConfig:
             if isinstance(rl_values.get(key), list):
                 rl_values[key] = tuple(rl_values[key])
         rl = _section(RLConfig, "rl", rl_values)
-    if recipe == "sft" and sft:
-        total = sft_steps(sft, train_cfg.steps)
-    elif recipe == "grpo" and rl:
-        total = rl_steps(rl, train_cfg.steps)
-    else:
-        total = total_steps(data_cfg, train_cfg)
-    optim = dict(d["optim"])
-    if optim.get("decay_steps", 0) <= 0:  # 0 = the schedule spans the run
-        optim["decay_steps"] = total
-    return RunConfig(
+    cfg = RunConfig(
         run_dir=os.path.abspath(d["run_dir"]), model=model_config_from_dict(d["model"]),
         mesh=_section(MeshConfig, "mesh", d["mesh"]), train=train_cfg,
         checkpoint=_section(CheckpointConfig, "checkpoint", d["checkpoint"]), data=data_cfg,
         distributed=_section(DistributedConfig, "distributed", d.get("distributed", {})),
-        optim=_section(OptimConfig, "optim", optim), loss=_section(LossConfig, "loss", d["loss"]),
+        optim=_section(OptimConfig, "optim", d["optim"]), loss=_section(LossConfig, "loss", d["loss"]),
         balance=_section(BalanceConfig, "balance", d["balance"]), source=d, recipe=recipe, sft=sft, lora=lora, rl=rl)
+    if cfg.optim.decay_steps <= 0:  # 0 = the schedule spans the run
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=cfg.total_steps))
+    return cfg
 
 
 def fine_tuning_config(config_dir: str, recipe: str, preset: str, p: Mapping[str, Any]) -> Any:

@@ -4,10 +4,11 @@
 
 The config file (ml_collections, with `--config.x.y=` overrides) is turned into a typed
 `run_config.RunConfig` once, in `main`; a bad value stops the run there with one line (exit 2).
-The recipe is pre-training over the curriculum (`pretrain.Pretraining`), with `recipe="sft"`
-fine-tuning on chat data (`sft.FineTuning`, configs/sft.py), or with `recipe="grpo"` reinforcement learning
-with verifiable rewards (`rl.recipe.GRPO`, configs/grpo.py); the loop around the step (evaluation,
-bad steps, metrics, checkpoints, preemption) is `trainer.fit`'s.
+The recipe is looked up by `config.recipe` in `run_config.RECIPES`: pre-training over the curriculum
+(`pretrain.Pretraining`), "sft" fine-tuning on chat data (`sft.FineTuning`, configs/sft.py), "grpo"
+reinforcement learning with verifiable rewards (`rl.recipe.GRPO`, configs/grpo.py); every recipe is driven
+the same way (`trainer.Recipe`), and the loop around the step (evaluation, bad steps, metrics, checkpoints,
+preemption) is `trainer.fit`'s.
 
 Writes to `run_dir`: config.json (the config as given), tokenizer.json (the corpus's),
 metrics.jsonl and tensorboard/ (`metrics.MetricWriter`), checkpoints/<step>/ (`checkpoint.Checkpointer`:
@@ -35,21 +36,21 @@ import numpy as np
 from absl import flags, logging
 from ml_collections import config_flags
 
-from glm46_jax import atomic, checkpoint, cli, distributed, pretrain, run_config, trainer
+from glm46_jax import atomic, checkpoint, cli, distributed, run_config, trainer
 from glm46_jax.cli import InputError
 from glm46_jax.run_config import RunConfig
 from glm46_jax.train_step import TrainState
 
 
-def _run_tokenizer(run_dir: str, corpus_root: str, is_main: bool) -> dict[str, str] | None:
-    """Copy the corpus's tokenizer.json into the run dir (scoring and export find it there)."""
-    source = os.path.join(corpus_root, "tokenizer.json")
-    if not os.path.exists(source):
+def _run_tokenizer(run_dir: str, source: str | None, is_main: bool) -> dict[str, str] | None:
+    """Copy the recipe's tokenizer.json into the run dir (scoring, generation and export find it there); None
+    when there is none."""
+    if not source or not os.path.exists(source):
         return None
     with open(source, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
     target = os.path.join(run_dir, "tokenizer.json")
-    if is_main:
+    if is_main and os.path.abspath(source) != os.path.abspath(target):
         shutil.copy(source, target)
     return {"path": target, "source": os.path.abspath(source), "sha256": digest}
 
@@ -70,39 +71,22 @@ def train(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
         os.makedirs(cfg.run_dir, exist_ok=True)
         atomic.write_json(os.path.join(cfg.run_dir, "config.json"), cfg.source)
 
-    if cfg.recipe == "grpo":  # like fine-tuning: the policy's starting weights (init_from) are loaded by build
-        from glm46_jax.rl import recipe as rl_recipe
-        recipe, state = rl_recipe.build(cfg, devices)
-        recipe.tokenizer = rl_recipe.run_tokenizer(cfg, is_main)
-        init_from = ""
-        logging.info("%d GRPO steps (%d per rollout) on %s", recipe.total_steps, cfg.rl.updates_per_rollout,
-                     cfg.rl.prompts)
-    elif cfg.recipe == "sft":  # fine-tuning loads its base weights (init_from) itself: LoRA keeps them frozen
-        from glm46_jax import sft
-        recipe, state = sft.build(cfg, devices)
-        recipe.tokenizer = _run_tokenizer(cfg.run_dir, cfg.sft.root, is_main)
-        init_from = ""
-        logging.info("%d steps of %s fine-tuning on %s", recipe.total_steps, cfg.sft.method, cfg.sft.root)
-    else:
-        recipe, state = pretrain.build(cfg, devices)
-        recipe.tokenizer = _run_tokenizer(cfg.run_dir, cfg.data.root, is_main)
-        init_from = cfg.checkpoint.init_from
-        logging.info("%d steps over phases %s", recipe.total_steps, [p.name for p in recipe.curriculum.phases])
+    recipe, state = run_config.RECIPES[cfg.recipe].load()(cfg, devices)  # starting weights: init_from's or random
+    recipe.tokenizer = _run_tokenizer(cfg.run_dir, recipe.tokenizer_source(), is_main)
 
     c = cfg.checkpoint
     ckpt = checkpoint.Checkpointer(cfg.run_dir, every=c.every, keep=c.keep or None, async_save=c.async_save,
                                    best_metric=c.best_metric if c.keep_best else None)
     try:
-        start_step, state, data_state = checkpoint.resume_or_init(
-            ckpt, state, resume=c.resume, init_from=init_from, model_cfg=cfg.model, mesh=recipe.mesh,
-            shared_data=recipe.global_rows)
+        start_step, state, data_state = checkpoint.resume(ckpt, state, resume=c.resume,
+                                                          shared_data=recipe.global_rows)
         _check_not_finished(start_step, recipe.total_steps, ckpt)
-        recipe.start(data_state, state) if cfg.recipe == "grpo" else recipe.start(data_state)
+        recipe.start(state, data_state)
         with trainer.Preemption(multi_process=jax.process_count() > 1) as stop:
             state, summary = trainer.fit(recipe, state, ckpt, cfg.train, run_dir=cfg.run_dir, start_step=start_step,
                                          stop=stop, shared_data=recipe.global_rows)
-        if not stop.requested and hasattr(recipe, "finish"):  # e.g. LoRA: the merged weights
-            summary["merged"] = recipe.finish(state, summary["steps"], cfg.run_dir)
+        if not stop.requested:  # e.g. LoRA: the merged weights
+            summary["merged"] = recipe.finish(state, summary["steps"], cfg.run_dir, summary["tokens_seen"])
     finally:
         recipe.close()
         ckpt.close()  # waits for the last write

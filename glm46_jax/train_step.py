@@ -18,7 +18,7 @@ inside `loss_fn`, rebuilt from the graphdef on every trace.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -36,11 +36,46 @@ Controls = dict[str, Array]  # "mtp_weight", "bias_rate": float32 scalars chosen
 
 
 @struct.dataclass
-class TrainState:
-    step: Int[Array, ""]  # steps attempted (skipped non-finite steps included)
+class ModelState:
+    """One trained model: its weights and its own optimizer's state."""
     params: nnx.State  # nnx.Param leaves: differentiated and optimised
     buffers: nnx.State  # e_score_correction_bias per MoE layer: moved only by loss-free balancing
     opt_state: optax.OptState
+
+
+@struct.dataclass
+class TrainState:
+    """The recipe's trained models: the first one's fields inline (what every single-model run and every
+    checkpoint written before multi-model runs has), further ones by name in `others` (e.g. PPO's critic)."""
+    step: Int[Array, ""]  # steps attempted (skipped non-finite steps included)
+    params: nnx.State
+    buffers: nnx.State
+    opt_state: optax.OptState
+    others: dict[str, ModelState] = struct.field(default_factory=dict)
+
+    def models(self, main: str) -> dict[str, ModelState]:
+        """Every trained model by name, the first one named `main`."""
+        return {main: ModelState(self.params, self.buffers, self.opt_state), **self.others}
+
+    def with_models(self, main: str, models: Mapping[str, ModelState]) -> TrainState:
+        first = models[main]
+        return self.replace(params=first.params, buffers=first.buffers, opt_state=first.opt_state,
+                            others={k: v for k, v in models.items() if k != main})
+
+
+@struct.dataclass
+class FrozenModel:
+    """Weights a step reads but does not train (a jit argument: neither baked into the program nor donated).
+    For a trained model: its frozen part (a LoRA run's base weights), `buffers` None. For a model that is not
+    trained at all (a frozen reference): all of its weights."""
+    params: nnx.State
+    buffers: nnx.State | None = None
+
+
+Frozen = Mapping[str, FrozenModel] | None  # by model name
+# loss(params, buffers, batch, context) -> (loss, metrics): params / buffers by model name, each model's whole
+# weights (trained and frozen parts together); context = the controls and the whole batch's `batch_stats`.
+LossFn = Callable[[dict[str, nnx.State], dict[str, nnx.State], Batch, dict[str, Array]], tuple[Array, dict]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,40 +91,23 @@ def controls(mtp_weight: float, bias_rate: float, max_loss: float = float("inf")
             "max_loss": jnp.float32(max_loss)}
 
 
-def init_state(params: nnx.State, buffers: nnx.State, tx: optax.GradientTransformation) -> TrainState:
-    """Optimizer state created under jit with each moment sharded like its parameter.
+def init_opt_state(params: nnx.State, tx: optax.GradientTransformation) -> optax.OptState:
+    """`tx`'s state created under jit with each moment sharded like its parameter.
 
     Call inside `sharding.use_mesh(mesh)`. Explicit-mode shardings propagate through `tx.init`
     (zeros_like), so the moments inherit the parameter layouts without out_shardings.
     """
+    return jax.jit(tx.init)(params)
 
-    @jax.jit
-    def init(params):
-        return tx.init(params)
 
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, buffers=buffers, opt_state=init(params))
+def init_state(params: nnx.State, buffers: nnx.State, tx: optax.GradientTransformation) -> TrainState:
+    """A one-model train state (inside `sharding.use_mesh(mesh)`)."""
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, buffers=buffers,
+                      opt_state=init_opt_state(params, tx))
 
 
 def _finite_state(opt_state) -> optax.ApplyIfFiniteState | None:
     return opt_state if isinstance(opt_state, optax.ApplyIfFiniteState) else None
-
-
-class Bound:
-    """`fn(state, batch, controls, frozen)` called as `fn(state, batch, controls)`, with `.lower(...).compile()`
-    (what the trainer compiles ahead of time) still working: the frozen weights are a jit argument, neither
-    closed over (they would be baked into the program as constants) nor donated."""
-
-    def __init__(self, fn: Callable, frozen: nnx.State):
-        self.fn, self.frozen = fn, frozen
-
-    def __call__(self, state, *rest):
-        return self.fn(state, *rest, self.frozen)
-
-    def lower(self, state, *rest) -> Bound:
-        return Bound(self.fn.lower(state, *rest, self.frozen), self.frozen)
-
-    def compile(self) -> Bound:
-        return Bound(self.fn.compile(), self.frozen)
 
 
 def with_frozen(params: nnx.State, frozen: nnx.State | None) -> nnx.State:
@@ -97,29 +115,39 @@ def with_frozen(params: nnx.State, frozen: nnx.State | None) -> nnx.State:
     return params if frozen is None else nnx.merge_state(params, frozen)
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: ModelConfig,
-                    step_cfg: StepConfig = StepConfig(), *,
-                    lr_schedule: optax.Schedule | None = None, frozen: nnx.State | None = None
-                    ) -> Callable[[TrainState, Batch, Controls], tuple[TrainState, dict]]:
-    """step(state, batch, controls) -> (state, metrics), jitted once with the state donated.
+def whole_models(params: Mapping[str, nnx.State], buffers: Mapping[str, nnx.State], frozen: Frozen
+                 ) -> tuple[dict[str, nnx.State], dict[str, nnx.State]]:
+    """(params, buffers) of every model by name: the trained ones with their frozen parts, then the frozen ones."""
+    frozen = frozen or {}
+    whole_p = {n: with_frozen(p, frozen[n].params if n in frozen else None) for n, p in params.items()}
+    whole_b = dict(buffers)
+    for n, f in frozen.items():
+        if n not in params:
+            whole_p[n], whole_b[n] = f.params, f.buffers
+    return whole_p, whole_b
 
-    Trace and call it inside `sharding.use_mesh(mesh)`. With accum_steps = A > 1 every batch
-    array is [A, b, s]; the loss terms are normalised by the whole batch's token / sequence
-    counts, so the summed gradient equals one [A*b, s] batch's. Metrics are scalars.
 
-    `frozen`: parameters of the model that are not trained (a LoRA run's base weights). The state's
-    params are then only the trained leaves (gradients, optimizer state and checkpoints cover just them),
-    and the returned step is `Bound` to the frozen weights.
+def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], main: str, *, accum_steps: int = 1,
+              batch_stats: Callable[[Batch], dict[str, Array]] | None = None,
+              after_update: Callable | None = None, lr_schedule: optax.Schedule | None = None) -> Callable:
+    """The one update step every recipe's loss plugs into: step(state, batch, controls, frozen) -> (state, metrics),
+    jitted with the state donated; trace and call it inside `sharding.use_mesh(mesh)`.
+
+    Gradients of `loss` w.r.t. every trained model (`txs`: each model's own optimizer; `main` is the state's first
+    model) summed over `accum_steps` micro-batches (`lax.scan`; every batch array is then [A, b, ...] and the loss
+    normalises by `batch_stats` of the whole batch, so the summed gradient equals one [A*b, ...] batch's). Then the
+    update tail: a loss spike (loss > controls["max_loss"]) or a non-finite loss poisons the gradients, so each
+    optimizer's `apply_if_finite` skips the update and counts it; the lr metric counts applied updates only.
+    `after_update(buffers, metrics, controls, applied) -> (buffers, extra metrics)` moves the main model's buffers
+    (loss-free balancing); without it they stay. Metrics are the loss's scalars plus the tail's.
     """
-    grad_fn = jax.value_and_grad(lambda p, fz, *a: loss_fn(with_frozen(p, fz), *a), has_aux=True)
-    accum = step_cfg.accum_steps
-    if accum < 1:
-        raise ValueError(f"accum_steps={accum}: must be >= 1")
+    if accum_steps < 1:
+        raise ValueError(f"accum_steps={accum_steps}: must be >= 1")
+    grad_fn = jax.value_and_grad(lambda p, fz, b, mb, ctx: loss(*whole_models(p, b, fz), mb, ctx), has_aux=True)
 
-    def grads_and_metrics(params, frozen, buffers, batch, mtp_weight):
-        norms = batch_norms(batch)  # of the whole batch, all micro-batches
-        run = lambda mb: grad_fn(params, frozen, buffers, mb, graphdef, cfg, step_cfg.loss, mtp_weight, norms)
-        if accum == 1:
+    def grads_and_metrics(params, frozen, buffers, batch, ctx):
+        run = lambda mb: grad_fn(params, frozen, buffers, mb, ctx)  # noqa: E731
+        if accum_steps == 1:
             (_, metrics), grads = run(batch)
             return grads, metrics
 
@@ -133,62 +161,95 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cf
         (grads, metrics), _ = jax.lax.scan(body, zeros, batch)
         for key in ("dropped_frac", "mtp_dropped_frac"):  # fractions average, everything else adds up
             if key in metrics:
-                metrics[key] = metrics[key] / accum
+                metrics[key] = metrics[key] / accum_steps
         return grads, metrics
 
-    def step(state: TrainState, batch: Batch, ctrl: Controls, frozen: nnx.State | None = None
+    def step(state: TrainState, batch: Batch, ctrl: Controls, frozen: Frozen = None
              ) -> tuple[TrainState, dict[str, Any]]:
-        grads, metrics = grads_and_metrics(state.params, frozen, state.buffers, batch, ctrl["mtp_weight"])
+        models = state.models(main)
+        params = {n: m.params for n, m in models.items()}
+        buffers = {n: m.buffers for n, m in models.items()}
+        ctx = {**ctrl, **(batch_stats(batch) if batch_stats is not None else {})}  # of the whole batch
+        grads, metrics = grads_and_metrics(params, frozen, buffers, batch, ctx)
         # A loss spike poisons the gradient, so `apply_if_finite` skips and counts it like a NaN. A NaN/Inf
         # loss is one too: its gradient may still be finite (e.g. a non-finite term cut off by stop_gradient).
         spike = (metrics["loss"] > ctrl.get("max_loss", jnp.inf)) | ~jnp.isfinite(metrics["loss"])
         grad_norm = optax.tree.norm(grads)
         grads = jax.tree.map(lambda g: jnp.where(spike, jnp.nan, g), grads)
         before = _finite_state(state.opt_state)
+        new, all_updates = {}, {}
         with jax.named_scope("optimizer"):  # clip, Muon/AdamW, the non-finite skip and the apply, in profiles
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-        after = _finite_state(opt_state)
+            for name, m in models.items():
+                updates, opt_state = txs[name].update(grads[name], m.opt_state, m.params)
+                new[name] = ModelState(optax.apply_updates(m.params, updates), m.buffers, opt_state)
+                all_updates[name] = updates
+        after = _finite_state(new[main].opt_state)
         applied = after.notfinite_count == 0 if after is not None else jnp.bool_(True)
 
+        out = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
+        if after_update is not None:  # a skipped step moves nothing
+            buffers, extra = after_update(new[main].buffers, metrics, ctrl, applied)
+            new[main] = new[main].replace(buffers=buffers)
+            out.update(extra)
+        n_params = sum(x.size for m in new.values() for x in jax.tree.leaves(m.params))
+        out.update(grad_norm=grad_norm, spike=spike.astype(jnp.int32),
+                   update_rms=optax.tree.norm(all_updates if len(new) > 1 else all_updates[main]) / jnp.sqrt(n_params))
+        if after is not None:
+            out.update(skipped=1 - applied.astype(jnp.int32), nonfinite_in_a_row=after.notfinite_count,
+                       nonfinite_total=after.total_notfinite)
+        else:
+            out["nonfinite_in_a_row"] = jnp.int32(0)  # the trainer reads it every step
+        if lr_schedule is not None:  # the lr of this update: optax counts applied updates only
+            applied_before = state.step - (before.total_notfinite if before is not None else 0)
+            out["lr"] = jnp.asarray(lr_schedule(applied_before), jnp.float32)
+        return state.with_models(main, new).replace(step=state.step + 1), out
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: ModelConfig,
+                    step_cfg: StepConfig = StepConfig(), *, lr_schedule: optax.Schedule | None = None,
+                    name: str = "model") -> Callable[[TrainState, Batch, Controls, Frozen], tuple[TrainState, dict]]:
+    """The language-model step (pre-training, mid-training, SFT): `loss.loss_fn` (CE, MTP, aux) in `make_step`,
+    then the loss-free balancing bias step from the global batch's expert loads.
+
+    Called as step(state, batch, controls) or, with frozen weights (a LoRA run's base), step(state, batch,
+    controls, {name: FrozenModel(base)}): the state's params are then only the trained leaves (gradients, the
+    optimizer state and the checkpoints cover just them). Metrics are scalars.
+    """
+
+    def lm_loss(params, buffers, batch, ctx):
+        return loss_fn(params[name], buffers[name], batch, graphdef, cfg, step_cfg.loss, ctx["mtp_weight"],
+                       {k: ctx[k] for k in _NORMS})
+
+    def balance(buffers, metrics, ctrl, applied):
         # Balancing uses this step's loads; a skipped step moves nothing.
         rate = jnp.where(applied, ctrl["bias_rate"], 0.0)
         loads = {**metrics, "expert_load": pipeline.in_stored_order(metrics["expert_load"], cfg)} \
             if "expert_load" in metrics else metrics
-        buffers = balancing.update_buffers(state.buffers, loads, rate, include_mtp=step_cfg.balance_mtp)
-
-        n_params = sum(x.size for x in jax.tree.leaves(params))
-        out = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
-        out.update(balancing.describe_loads(metrics))
+        buffers = balancing.update_buffers(buffers, loads, rate, include_mtp=step_cfg.balance_mtp)
+        extra = dict(balancing.describe_loads(metrics))
         bias_stats = balancing.bias_stats(pipeline.layer_ordered(buffers, cfg))  # identity slots left out
-        out.update({f"bias_{k}": v for k, v in bias_stats.items()})
-        out.update(ppl=jnp.exp(metrics["ce"]), grad_norm=grad_norm, spike=spike.astype(jnp.int32),
-                   update_rms=optax.tree.norm(updates) / jnp.sqrt(n_params),
-                   mtp_weight=ctrl["mtp_weight"], bias_rate=rate)
-        if after is not None:
-            out.update(skipped=1 - applied.astype(jnp.int32), nonfinite_in_a_row=after.notfinite_count,
-                       nonfinite_total=after.total_notfinite)
-        if lr_schedule is not None:  # the lr of this update: optax counts applied updates only
-            applied_before = state.step - (before.total_notfinite if before is not None else 0)
-            out["lr"] = jnp.asarray(lr_schedule(applied_before), jnp.float32)
-        new_state = state.replace(step=state.step + 1, params=params, buffers=buffers, opt_state=opt_state)
-        return new_state, out
+        extra.update({f"bias_{k}": v for k, v in bias_stats.items()})
+        extra.update(ppl=jnp.exp(metrics["ce"]), mtp_weight=ctrl["mtp_weight"], bias_rate=rate)
+        return buffers, extra
 
-    jitted = jax.jit(step, donate_argnums=(0,))
-    return jitted if frozen is None else Bound(jitted, frozen)
+    return make_step(lm_loss, {name: tx}, name, accum_steps=step_cfg.accum_steps, batch_stats=batch_norms,
+                     after_update=balance, lr_schedule=lr_schedule)
+
+
+_NORMS = ("tokens", "mtp_tokens", "sequences")  # batch_norms' keys
 
 
 def make_eval_step(graphdef: nnx.GraphDef, cfg: ModelConfig, loss_cfg: LossConfig = LossConfig(), *,
-                   frozen: nnx.State | None = None) -> Callable[[TrainState, Batch, Controls], dict[str, Array]]:
-    """eval(state, batch, controls) -> loss metrics and perplexity, no gradients (inside `use_mesh`);
+                   name: str = "model") -> Callable[[TrainState, Batch, Controls, Frozen], dict[str, Array]]:
+    """eval(state, batch, controls[, frozen]) -> loss metrics and perplexity, no gradients (inside `use_mesh`);
     `frozen` as in `make_train_step`."""
 
-    def evaluate(state: TrainState, batch: Batch, ctrl: Controls, frozen: nnx.State | None = None
-                 ) -> dict[str, Array]:
-        metrics = loss_fn(with_frozen(state.params, frozen), state.buffers, batch, graphdef, cfg, loss_cfg,
-                          ctrl["mtp_weight"])[1]
+    def evaluate(state: TrainState, batch: Batch, ctrl: Controls, frozen: Frozen = None) -> dict[str, Array]:
+        params, buffers = whole_models({name: state.params}, {name: state.buffers}, frozen)
+        metrics = loss_fn(params[name], buffers[name], batch, graphdef, cfg, loss_cfg, ctrl["mtp_weight"])[1]
         out = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
         return {**out, "ppl": jnp.exp(metrics["ce"])}
 
-    jitted = jax.jit(evaluate)
-    return jitted if frozen is None else Bound(jitted, frozen)
+    return jax.jit(evaluate)

@@ -3,12 +3,12 @@
     with trainer.Preemption(multi_process) as stop:
         state, summary = trainer.fit(recipe, state, ckpt, train_cfg, run_dir=..., start_step=..., stop=stop)
 
-A recipe (`Recipe`) says what a step is and where its batches come from: pre-training
+A recipe (`Recipe`) says what a step is, where its batches come from and how it is evaluated: pre-training
 (`glm46_jax.pretrain`) walks a curriculum of phases; a fine-tuning recipe brings chat batches and an
-RL recipe sampled rollouts, each with its own step function. The driver owns everything around the
-step and is the same for all of them:
-  * `Programs`: each segment's (phase's) train and eval steps, compiled ahead of time once per
-    batch shape (a batch of another shape fails loudly instead of silently recompiling);
+RL recipe sampled rollouts, each with its own loss in the one update step (`train_step.make_step`). The
+driver owns everything around the step and is the same for all of them:
+  * `Programs`: each segment's (phase's) train step, compiled ahead of time once per batch shape (a
+    batch of another shape fails loudly instead of silently recompiling);
   * `BadSteps`: non-finite or spiking steps are skipped by the step itself; here the policy after
     several in a row: stop ("skip") or roll back to the last checkpoint ("rollback");
   * `StepTimer`: step time, tokens/s and MFU with compilation and evaluation kept out;
@@ -52,17 +52,28 @@ class StepInput:
 
 
 class Recipe(Protocol):
-    """What a training recipe plugs into `fit`."""
+    """Everything `train.train` and `fit` call on a recipe (docs/trainer.md#the-recipe-interface).
+    `recipe_base.RecipeBase` implements the recipe-independent members once."""
     mesh: jax.sharding.Mesh
     total_steps: int
+    global_rows: bool  # every process reads the whole batch: the data state restores on any process count
+    tokenizer: dict[str, str] | None  # the run's tokenizer.json (path, source, sha256), set by train.py
+    frozen: Any  # weights the steps read but do not train: their last argument (a jit argument, not donated)
 
-    def next_input(self, max_loss: float) -> StepInput: ...  # max_loss: the spike threshold for that step
-    def steps_for(self, segment: Any) -> tuple[Callable, Callable]: ...  # jitted (train_step, eval_step)
-    # Held-out sets by name ("" = the segment's own mixture, else e.g. a domain); {} = no held-out data.
-    def eval_batches(self, segment: Any, count: int) -> dict[str, list[dict[str, jax.Array]]]: ...
+    def tokenizer_source(self) -> str | None: ...  # the tokenizer.json to copy into the run dir; None = none
+    def start(self, state: Any, data_state: Any | None) -> None: ...  # restored state and data state, or fresh
+    # The next step's input, chosen with the current state (an RL recipe samples from it); max_loss: the spike
+    # threshold for that step.
+    def next_input(self, state: Any, max_loss: float) -> StepInput: ...
+    def steps_for(self, segment: Any) -> Callable: ...  # jitted step(state, batch, controls, frozen)
+    # Held-out metrics ("eval/<metric>", "eval/<set>/<metric>"); {} = no held-out data for the segment.
+    def evaluate(self, state: Any, segment: Any, controls: Any) -> dict[str, float]: ...
     def flops_per_token(self, segment: Any) -> float: ...
     def describe(self, segment: Any) -> dict[str, float]: ...  # scalars logged with each train record
     def checkpoint_meta(self, segment: Any, tokens_seen: int) -> dict[str, Any]: ...
+    # After a completed run (not a stopped one): e.g. LoRA's merged weights; returns their path or None.
+    def finish(self, state: Any, step: int, run_dir: str, tokens_seen: int) -> str | None: ...
+    def close(self) -> None: ...
 
 
 class Preemption:
@@ -193,44 +204,25 @@ class StepTimer:
 
 
 class Programs:
-    """Each segment's train and eval step, compiled once per batch shape, and its eval batches."""
+    """Each segment's train step, compiled ahead of time once per batch shape (a batch of another shape fails
+    loudly instead of silently recompiling)."""
 
-    def __init__(self, recipe: Recipe, eval_batches: int, timer: StepTimer):
-        self.recipe, self.eval_count, self.timer = recipe, eval_batches, timer
-        self.compiled: dict[tuple, tuple[Any, Any | None]] = {}
-        self.eval_sets: dict[str, dict[str, list]] = {}
+    def __init__(self, recipe: Recipe, timer: StepTimer):
+        self.recipe, self.timer = recipe, timer
+        self.compiled: dict[tuple, Any] = {}
         self.compile_s = 0.0
 
-    def get(self, state: Any, inp: StepInput) -> tuple[Any, Any | None]:
+    def get(self, state: Any, inp: StepInput) -> Any:
         key = (inp.segment.name, inp.batch["inputs"].shape)
         if key not in self.compiled:
             t0 = time.perf_counter()
-            train_step, eval_step = self.recipe.steps_for(inp.segment)
-            if inp.segment.name not in self.eval_sets:
-                self.eval_sets[inp.segment.name] = self.recipe.eval_batches(inp.segment, self.eval_count)
-            # Every held-out set of a segment has its batch shape: one compiled eval step serves them all.
-            first = next((b[0] for b in self.eval_sets[inp.segment.name].values() if b), None)
-            self.compiled[key] = (train_step.lower(state, inp.batch, inp.controls).compile(),
-                                  eval_step.lower(state, first, inp.controls).compile() if first else None)
+            step = self.recipe.steps_for(inp.segment)
+            self.compiled[key] = step.lower(state, inp.batch, inp.controls, self.recipe.frozen).compile()
             seconds = time.perf_counter() - t0
             self.compile_s += seconds
             self.timer.exclude(seconds)  # a new segment's compile is not step time
             logging.info("%s: compiled for batch %s in %.1f s", inp.segment.name, key[1], seconds)
         return self.compiled[key]
-
-    def evaluate(self, state: Any, segment: Any, eval_step: Any, controls: Any) -> dict[str, float]:
-        """Mean eval metrics over each held-out set of the segment: `eval/<metric>` for its mixture,
-        `eval/<set>/<metric>` for a named set (a domain); {} without held-out data."""
-        if eval_step is None:
-            return {}
-        out = {}
-        for name, batches in self.eval_sets[segment.name].items():
-            per_batch = jax.device_get([eval_step(state, b, controls) for b in batches])
-            prefix = f"eval/{name}/" if name else "eval/"
-            out.update({f"{prefix}{k}": float(np.mean([m[k] for m in per_batch])) for k in per_batch[0]})
-            if f"{prefix}ce" in out:  # (an RL recipe's held-out metrics are accuracies, no CE)
-                out[f"{prefix}ppl"] = float(np.exp(out[f"{prefix}ce"]))  # of the mean CE, not the mean of ppls
-        return out
 
 
 def _scalars(values: Mapping[str, Any], prefix: str) -> dict[str, float]:
@@ -291,7 +283,7 @@ def fit(recipe: Recipe, state: Any, ckpt: checkpoint.Checkpointer, cfg: TrainCon
         start_step: int, stop: Preemption, shared_data: bool = False) -> tuple[Any, dict[str, Any]]:
     """Train from `start_step` to `recipe.total_steps` (or a preemption); returns (state, summary)."""
     timer = StepTimer(recipe.mesh, start_step)
-    loop = _Loop(recipe, cfg, ckpt, stop, Programs(recipe, cfg.eval_batches, timer), timer,
+    loop = _Loop(recipe, cfg, ckpt, stop, Programs(recipe, timer), timer,
                  BadSteps(cfg, ckpt, shared_data),
                  Progress(run_dir, cfg, total=recipe.total_steps, start_step=start_step, append=start_step > 1))
     logging.info("%d steps; MFU peak %.3g FLOP/s (%s)", recipe.total_steps, timer.peak or 0, timer.peak_source)
@@ -299,7 +291,7 @@ def fit(recipe: Recipe, state: Any, ckpt: checkpoint.Checkpointer, cfg: TrainCon
     # Host<->device copies in the loop must be explicit (device_get, loader.to_global).
     with sharding.use_mesh(recipe.mesh), jax.transfer_guard("disallow"):
         try:
-            inp = recipe.next_input(loop.bad.max_loss)
+            inp = recipe.next_input(state, loop.bad.max_loss)
             timer.restart()
             for step in range(start_step, recipe.total_steps + 1):
                 state, inp, stopping = _step(loop, step, state, inp)
@@ -315,12 +307,12 @@ def _step(loop: _Loop, step: int, state: Any, inp: StepInput) -> tuple[Any, Step
     """Run `step` on `inp`; log, evaluate and save as due. Returns (state, next input, stopping)."""
     recipe, cfg = loop.recipe, loop.cfg
     loop.progress.enter(inp.segment)
-    train_step, eval_step = loop.programs.get(state, inp)
+    train_step = loop.programs.get(state, inp)
     started = time.perf_counter()
-    state, step_metrics = train_step(state, inp.batch, inp.controls)
+    state, step_metrics = train_step(state, inp.batch, inp.controls, recipe.frozen)
     loop.progress.history.append(step_metrics)
     last = step == recipe.total_steps
-    nxt = None if last else recipe.next_input(loop.bad.max_loss)  # prepared while the step runs
+    nxt = None if last else recipe.next_input(state, loop.bad.max_loss)  # prepared while the step runs
     loss, in_a_row = jax.device_get((step_metrics["loss"], step_metrics["nonfinite_in_a_row"]))
     state = loop.bad.after(step, state, float(loss), int(in_a_row))
     tokens = inp.batch["inputs"].size
@@ -338,7 +330,7 @@ def _step(loop: _Loop, step: int, state: Any, inp: StepInput) -> tuple[Any, Step
         loop.progress.train(step, step_metrics, values)
     segment_ends = nxt is not None and nxt.segment.name != inp.segment.name
     if (cfg.eval_every and step % cfg.eval_every == 0) or last or segment_ends:  # every segment ends with one
-        _evaluate(loop, step, state, inp, eval_step)
+        _evaluate(loop, step, state, inp)
     loop.progress.bar.update(1)
     stopping = loop.stop.stop_after(step, loop.ckpt)
     if last or stopping or loop.ckpt.should_save(step):
@@ -351,8 +343,8 @@ def _step(loop: _Loop, step: int, state: Any, inp: StepInput) -> tuple[Any, Step
     return state, nxt, stopping
 
 
-def _evaluate(loop: _Loop, step: int, state: Any, inp: StepInput, eval_step: Any) -> None:
-    values = loop.programs.evaluate(state, inp.segment, eval_step, inp.controls)
+def _evaluate(loop: _Loop, step: int, state: Any, inp: StepInput) -> None:
+    values = loop.recipe.evaluate(state, inp.segment, inp.controls)
     if values:
         loop.progress.eval(step, values)
     elif inp.segment.name not in loop.warned_no_eval:

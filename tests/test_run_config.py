@@ -1,6 +1,7 @@
 """Typed run configs (`run_config`): every preset converts, each bad value is refused naming its field;
 and the command lines report a user's mistake as one line with exit code 2, no traceback."""
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -73,8 +74,57 @@ def test_two_open_mesh_axes_and_unknown_fields_are_refused():
     config = load_config("tiny")
     config.unlock()
     config.train.evl_every = 3
-    with pytest.raises(InputError, match=r"config.train has unknown fields \['evl_every'\]"):
+    with pytest.raises(InputError, match=r"^config.train has no field 'evl_every'; nearest: eval_every, log_every; "
+                       r"valid fields: accum_steps, .*, tensorboard$"):
         run_config.from_config_dict(config)
+
+
+def test_an_unknown_lora_field_names_the_nearest():
+    spec = importlib.util.spec_from_file_location("sft_config", os.path.join(ROOT, "configs", "sft.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("tiny")
+    config.unlock()
+    config.lora.rnak = 4
+    with pytest.raises(InputError, match=r"^config.lora has no field 'rnak'; nearest: rank; valid fields: alpha, "):
+        run_config.from_config_dict(config)
+
+
+def _load(name: str, preset: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_config", os.path.join(ROOT, "configs", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(preset).to_dict()
+
+
+def test_each_config_section_lists_its_dataclass_fields():
+    """A field added to a section's dataclass appears in the config files (they take their defaults from the
+    dataclass), so it can be overridden with --config.<section>.<field>; and the files have no field the
+    dataclass lacks."""
+    from glm46_jax.balancing import BalanceConfig
+    from glm46_jax.config import ModelConfig
+    from glm46_jax.lora import LoRAConfig
+    from glm46_jax.loss import LossConfig
+    from glm46_jax.optim import OptimConfig
+
+    def fields(cls, *drop: str) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)} - set(drop)
+
+    c = _load("pretrain", "tiny")
+    expected = {
+        "model": fields(ModelConfig) | {"preset"},
+        "mesh": fields(run_config.MeshConfig), "train": fields(run_config.TrainConfig),
+        "checkpoint": fields(run_config.CheckpointConfig),
+        # the curriculum is built from phases and phase_order
+        "data": fields(run_config.DataConfig, "curriculum") | {"phases", "phase_order"},
+        "distributed": fields(run_config.DistributedConfig), "optim": fields(OptimConfig),
+        "loss": fields(LossConfig), "balance": fields(BalanceConfig)}
+    assert set(c) == set(expected) | {"run_dir"}
+    for section, names in expected.items():
+        assert set(c[section]) == names, section
+    sft, grpo = _load("sft", "tiny"), _load("grpo", "tiny")
+    assert set(sft["sft"]) == fields(run_config.SFTConfig) and set(sft["lora"]) == fields(LoRAConfig)
+    assert set(grpo["rl"]) == fields(run_config.RLConfig) and set(grpo["lora"]) == fields(LoRAConfig)
 
 
 def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
@@ -92,7 +142,16 @@ def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:
     ("glm46_jax.train", ["--config.checkpoint.resume=maybe"], "checkpoint.resume='maybe'"),
     ("glm46_jax.train", ["--config.mesh.data=3"], "mesh"),
     ("glm46_jax.train", ["--config.data.root=/nonexistent/corpus", "--config.run_dir=RUN"], "/nonexistent/corpus"),
-    ("glm46_jax.train", ["--config.train.evl_every=3"], 'Did you mean "eval_every"'),
+    # An unknown field: ml_collections' own KeyError names the last key alone ('no_such_field'); the CLI says where.
+    ("glm46_jax.train", ["--config.train.evl_every=3"], "config.train has no field 'evl_every'; nearest: eval_every"),
+    ("glm46_jax.train", ["--config.model.no_such_field=1"],
+     "config.model has no field 'no_such_field'; nearest: no close match; valid fields: attention_bias, "),
+    ("glm46_jax.train", ["--config.train.stpes=5"], "config.train has no field 'stpes'; nearest: steps; valid "),
+    ("glm46_jax.train", ["--config.data.phases.general.seqlen=1"],
+     "config.data.phases.general has no field 'seqlen'; nearest: seq_len; valid fields: global_batch, "),
+    ("glm46_jax.train", ["--config=configs/sft.py:tiny", "--config.sft.no_such_field=1"],
+     "config.sft has no field 'no_such_field'; nearest: no close match; valid fields: epochs, global_batch, "),
+    ("glm46_jax.train", ["--config.no_such_section.x=1"], "config has no field 'no_such_section'"),
     ("glm46_jax.train", ["--config=configs/pretrain.py:nosuch"], "unknown preset 'nosuch'"),
     ("glm46_jax.train", ["--config.optim.lr=abc"], "--config.optim.lr=abc"),
     ("glm46_jax.train", ["--config.optim.lr=-1"], "optim.lr=-1"),
@@ -136,3 +195,24 @@ def test_a_per_domain_best_metric_needs_per_domain_eval():
     config.checkpoint.best_metric = "loss"
     with pytest.raises(InputError, match="checkpoint.best_metric='loss': must name a held-out metric"):
         run_config.from_config_dict(config)
+
+
+def test_total_steps_are_computed_once_without_disk_io_afterwards(tmp_path):
+    """An SFT run's length comes from its dataset's size (metadata.json): read once, when the config is made; the
+    trainer asks for `total_steps` every step, and that must not touch the disk (the file may even go away)."""
+    import json
+
+    from glm46_jax.run_config import config_file, from_config_dict
+
+    root = tmp_path / "chats"
+    root.mkdir()
+    (root / "metadata.json").write_text(json.dumps({"kind": "sft", "splits": {"train": {"tokens": 1000}}}))
+    c = config_file(os.path.join(ROOT, "configs", "sft.py"), "tiny")
+    with c.unlocked():
+        c.sft.update(root=str(root), seq_len=64, global_batch=4, epochs=1.0)
+        c.train.steps = 0
+    cfg = from_config_dict(c)
+    assert cfg.total_steps == 4  # ceil(1000 / (4 x 64))
+    assert cfg.optim.decay_steps == 4  # decay_steps 0: the schedule spans the run
+    (root / "metadata.json").unlink()
+    assert cfg.total_steps == 4

@@ -238,7 +238,7 @@ def test_frozen_weights_are_not_trained_and_the_rest_steps_as_in_the_full_model(
     import optax
     from flax import nnx
 
-    from glm46_jax.train_step import Bound, make_eval_step
+    from glm46_jax.train_step import FrozenModel, make_eval_step
 
     graphdef, params, buffers = init_model(CFG, mesh1, 0)
     trained = lambda path, _: "self_attn" in jax.tree_util.keystr(path)  # noqa: E731
@@ -251,12 +251,11 @@ def test_frozen_weights_are_not_trained_and_the_rest_steps_as_in_the_full_model(
         grads = jax.grad(lambda p: loss_fn(p, buffers, batch, graphdef, CFG, StepConfig().loss, 0.3)[0])(params)
         want = {k: v - 0.5 * _leaves(grads)[k] for k, v in _leaves(params).items() if "self_attn" in k}
         frozen_before, n_all = _host(frozen), len(_leaves(params))  # (the step donates the trained leaves)
-        step = make_train_step(graphdef, tx, CFG, frozen=frozen)
-        assert isinstance(step, Bound)
+        step = make_train_step(graphdef, tx, CFG)
         state = init_state(train_p, buffers, tx)
-        state, metrics = step(state, batch, ctrl)
-        evaluate = make_eval_step(graphdef, CFG, frozen=frozen)
-        ce_after = float(evaluate(state, batch, ctrl)["ce"])
+        state, metrics = step(state, batch, ctrl, {"model": FrozenModel(frozen)})
+        evaluate = make_eval_step(graphdef, CFG)
+        ce_after = float(evaluate(state, batch, ctrl, {"model": FrozenModel(frozen)})["ce"])
     got = _leaves(state.params)
     assert set(got) == set(want) and len(got) < n_all
     for k in want:

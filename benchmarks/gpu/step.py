@@ -212,13 +212,13 @@ def profile_step(cfg, device, steps: int, trace_dir: str, top: int) -> dict[str,
     with sharding.use_mesh(run.mesh):
         batch = run.device_batch({"inputs": x[:, :-1].astype(np.int32), "targets": x[:, 1:].astype(np.int32)})
         ctrl = run.controls_at(0)
-        compiled = run.steps_for(phase)[0].lower(state, batch, ctrl).compile()
-        state, _ = compiled(state, batch, ctrl)
+        compiled = run.steps_for(phase).lower(state, batch, ctrl, run.frozen).compile()
+        state, _ = compiled(state, batch, ctrl, run.frozen)
         jax.block_until_ready(state)
         jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
         try:
             for _ in range(steps):
-                state, _ = compiled(state, batch, ctrl)
+                state, _ = compiled(state, batch, ctrl, run.frozen)
             jax.block_until_ready(state)
         finally:
             jax.profiler.stop_trace()

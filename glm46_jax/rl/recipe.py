@@ -1,12 +1,12 @@
 """GRPO as a recipe of the generic trainer: rollouts -> rewards -> group advantages -> several clipped updates.
 
     recipe, state = recipe.build(run_cfg)        # mesh, policy weights (checkpoint.init_from), LoRA, optimizer
-    recipe.start(data_state, state)              # the prompt pool (and where a resumed run left it)
+    recipe.start(state, data_state)              # the prompt pool (and where a resumed run left it)
     state, summary = trainer.fit(recipe, state, ...)
 
 One trainer step is one optimizer step on one minibatch. When the minibatches of the last rollout are used up,
-`next_input` samples the next rollout with the *current* policy (the weights the last step returned: the
-sampler is refreshed after every update): `prompts_per_step` prompts from the pool (curriculum), `group_size`
+`next_input` samples the next rollout with the *current* policy (the state the trainer passes it: the weights
+the last step returned): `prompts_per_step` prompts from the pool (curriculum), `group_size`
 samples each with the project's generator (log-probs, and the experts every token went through for routing
 replay), rewards, and with dynamic sampling the groups whose rewards all agree are dropped and refilled from
 the pool. The kept groups' advantages are computed per group and their rows split into `minibatches`, each used
@@ -30,24 +30,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import logging
 from flax import nnx
 from tokenizers import Tokenizer
 
-from glm46_jax import atomic, chat, checkpoint, lora, sharding
+from glm46_jax import atomic, chat, checkpoint, models, sharding
 from glm46_jax.cli import InputError
-from glm46_jax.counting import flops_per_token
-from glm46_jax.model import abstract_model
-from glm46_jax.optim import build_optimizer
+from glm46_jax.recipe_base import RecipeBase, warn_random_start
 from glm46_jax.rl import objective
 from glm46_jax.rl.curriculum import CurriculumConfig, PromptPool
 from glm46_jax.rl.rewards import Rewards
 from glm46_jax.rl.rollout import Rollout, Sampling, sample_groups, strip_stop, training_rows
 from glm46_jax.rl.step import StepSettings, completion_logprobs, make_grpo_step
-from glm46_jax.run_config import RLConfig, RunConfig, rl_steps
-from glm46_jax.sft import load_base
-from glm46_jax.train_step import TrainState, init_state, with_frozen
+from glm46_jax.run_config import RLConfig, RunConfig
+from glm46_jax.train_step import TrainState, with_frozen
 from glm46_jax.trainer import StepInput
 
 
@@ -106,20 +102,6 @@ def _tokenizer_path(cfg: RunConfig) -> str:
     return found
 
 
-def run_tokenizer(cfg: RunConfig, is_main: bool) -> dict[str, str]:
-    """Copy the policy's tokenizer.json into the run dir (scoring, generation and export find it there)."""
-    import hashlib
-    import shutil
-
-    source = _tokenizer_path(cfg)
-    target = os.path.join(cfg.run_dir, "tokenizer.json")
-    if is_main and os.path.abspath(source) != os.path.abspath(target):
-        shutil.copy(source, target)
-    with open(source, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
-    return {"path": target, "source": os.path.abspath(source), "sha256": digest}
-
-
 def _device_batch(batch: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
     # Every process holds the whole rollout (the sampler's outputs are replicated); each device takes its rows.
     out = {}
@@ -130,50 +112,9 @@ def _device_batch(batch: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh) -> d
     return out
 
 
-class _Tracked:
-    """The train step, telling the recipe the state it returned: the policy the next rollout samples from."""
-
-    def __init__(self, fn: Any, recipe: GRPO):
-        self.fn, self.recipe = fn, recipe
-
-    def lower(self, *args) -> _Tracked:
-        return _Tracked(self.fn.lower(*args), self.recipe)
-
-    def compile(self) -> _Tracked:
-        return _Tracked(self.fn.compile(), self.recipe)
-
-    def __call__(self, state, *rest):
-        state, metrics = self.fn(state, *rest)
-        self.recipe.policy = state
-        return state, metrics
-
-
-class _HeldOut:
-    """The eval "step": greedy completions of a batch of held-out prompts, scored by the rewards. It is not one
-    compiled program (generation is a prefill and a decode loop), so lowering and compiling are no-ops."""
-
-    def __init__(self, recipe: GRPO):
-        self.recipe = recipe
-
-    def lower(self, *args) -> _HeldOut:
-        return self
-
-    def compile(self) -> _HeldOut:
-        return self
-
-    def __call__(self, state: TrainState, batch: Mapping[str, np.ndarray], controls: Any) -> dict[str, float]:
-        return self.recipe.heldout_metrics(state, np.asarray(batch["ids"]))
-
-
 @dataclasses.dataclass
-class GRPO:
+class GRPO(RecipeBase):
     """The GRPO recipe (`trainer.Recipe`)."""
-    cfg: RunConfig
-    mesh: jax.sharding.Mesh
-    graphdef: nnx.GraphDef
-    tx: optax.GradientTransformation
-    lr_schedule: optax.Schedule
-    frozen: nnx.State | None  # LoRA: the base weights
     reference: nnx.State | None  # kl_coef > 0: the starting policy's trained weights
     tok: Tokenizer
     items: list[dict[str, Any]]
@@ -182,8 +123,6 @@ class GRPO:
     heldout_ids: list[list[int]]
     rewards: Rewards
     stop_tokens: tuple[int, ...]
-    tokenizer: dict[str, str] | None = None
-    policy: TrainState | None = None  # the latest state: what rollouts sample from
     pool: PromptPool | None = None
     pending: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
     stats: tuple[tuple[str, float], ...] = ()
@@ -194,10 +133,6 @@ class GRPO:
     @property
     def rl(self) -> RLConfig:
         return self.cfg.rl
-
-    @property
-    def total_steps(self) -> int:
-        return rl_steps(self.rl, self.cfg.train.steps)
 
     @property
     def global_rows(self) -> bool:
@@ -223,29 +158,33 @@ class GRPO:
     def segment(self) -> Segment:
         return Segment(f"grpo_{self.rl.method}", self.seq_len, self.stats)
 
+    def current_segment(self) -> Segment:
+        return self.segment()
+
+    def whole_params(self, params: nnx.State) -> nnx.State:
+        """The policy's whole parameters: the trained ones and, with LoRA, the frozen base."""
+        return with_frozen(params, self.frozen["policy"].params if self.frozen else None)
+
     # --- trainer.Recipe ----------------------------------------------------------------------
 
-    def steps_for(self, segment: Segment) -> tuple[Any, Any]:
-        step = make_grpo_step(self.graphdef, self.tx, self.settings, lr_schedule=self.lr_schedule, frozen=self.frozen)
-        return _Tracked(step, self), _HeldOut(self)
+    def tokenizer_source(self) -> str:
+        return _tokenizer_path(self.cfg)
 
-    def flops_per_token(self, segment: Segment) -> float:
-        return flops_per_token(self.cfg.model, segment.seq_len)
+    def steps_for(self, segment: Segment) -> Any:
+        if not hasattr(self, "_step"):
+            self._step = make_grpo_step(self.main.graphdef, self.main.tx, self.settings,
+                                        lr_schedule=self.main.lr_schedule, name="policy")
+        return self._step
 
     def describe(self, segment: Segment) -> dict[str, float]:
         return dict(segment.stats)
 
-    def checkpoint_meta(self, segment: Segment, tokens_seen: int) -> dict[str, Any]:
-        meta = {"model_config": dataclasses.asdict(self.cfg.model), "phase": segment.name, "tokens_seen": tokens_seen,
-                "tokenizer": self.tokenizer, "config": dict(self.cfg.source), "rl_method": self.rl.method,
-                "init_from": self.cfg.checkpoint.init_from, "rollouts": self.rollouts_done}
-        if self.frozen is not None:
-            meta["lora"] = self.cfg.lora.to_dict()
-        return meta
+    def extra_meta(self) -> dict[str, Any]:
+        return {"rl_method": self.rl.method, "init_from": self.cfg.checkpoint.init_from,
+                "rollouts": self.rollouts_done}
 
-    def start(self, data_state: Any | None = None, state: TrainState | None = None) -> None:
+    def start(self, state: TrainState, data_state: Any | None = None) -> None:
         rl = self.rl
-        self.policy = state
         difficulty = [int(it.get("difficulty", 0)) for it in self.items]
         self.pool = PromptPool(len(self.items), difficulty, CurriculumConfig(
             rl.curriculum_buckets, rl.curriculum_advance_at, rl.curriculum_ema), seed=self.cfg.train.seed)
@@ -258,17 +197,17 @@ class GRPO:
                 logging.warning("the checkpoint was saved mid-rollout; its %d remaining minibatch(es) are skipped and "
                                 "training goes on with a new rollout", data_state["pending"])
         elif state is not None:
-            self.start_accuracy = self.evaluate(state)["accuracy"]
+            self.start_accuracy = self.held_out_accuracy(state)["accuracy"]
             logging.info("held-out accuracy of the starting policy: %.3f", self.start_accuracy)
 
-    def next_input(self, max_loss: float) -> StepInput:
+    def next_input(self, state: TrainState, max_loss: float) -> StepInput:
         with jax.transfer_guard("allow"):
             if not self.pending:
-                self._rollout()
+                self._rollout(state)
             local = self.pending.pop(0)
             batch = _device_batch(local, self.mesh)
             if self.reference is not None:
-                batch["ref_logprobs"] = self._ref_logprobs(self.reference, self.policy.buffers, batch)
+                batch["ref_logprobs"] = self._ref_logprobs(self.reference, state.buffers, batch)
             controls = {"max_loss": jnp.float32(max_loss)}
         self.tokens_seen += int(local["inputs"].size)
         data_state = {"pool": self.pool.state(), "rollouts": self.rollouts_done, "tokens_seen": self.tokens_seen,
@@ -277,30 +216,25 @@ class GRPO:
 
     @property
     def heldout_count(self) -> int:
-        """How many held-out prompts `evaluate` scores (the first ones of `rl.heldout`)."""
+        """How many held-out prompts `evaluate` scores (the first ones of `rl.heldout`): train.eval_batches
+        chunks of `rl.eval_batch`."""
         return min(len(self.heldout_ids), self.cfg.train.eval_batches * self.rl.eval_batch)
 
-    def eval_batches(self, segment: Segment, count: int) -> dict[str, list[dict[str, np.ndarray]]]:
-        """Chunks of held-out prompt indices (`rl.eval_batch` each, at most `count`)."""
-        n = min(len(self.heldout_ids), count * self.rl.eval_batch)
-        return {"": [{"ids": np.arange(i, min(i + self.rl.eval_batch, n))} for i in range(0, n, self.rl.eval_batch)]}
+    def evaluate(self, state: TrainState, segment: Segment, controls: Any) -> dict[str, float]:
+        """Greedy generation is a prefill and a decode loop, not one program: eval/accuracy, eval/reward,
+        eval/response_len of `held_out_accuracy`."""
+        return {f"eval/{k}": v for k, v in self.held_out_accuracy(state).items()}
 
-    def finish(self, state: TrainState, step: int, run_dir: str) -> str | None:
+    def finish(self, state: TrainState, step: int, run_dir: str, tokens_seen: int) -> str | None:
         """Writes <run_dir>/heldout.json (held-out accuracy before and after); LoRA: also the merged weights."""
-        after = self.evaluate(state)
+        after = self.held_out_accuracy(state)
         if jax.process_index() == 0:
             atomic.write_json(os.path.join(run_dir, "heldout.json"),
                               {"start_accuracy": self.start_accuracy, "end": after, "steps": step,
                                "rollouts": self.rollouts_done, "problems": self.heldout_count})
         logging.info("held-out accuracy %s -> %.3f", "n/a" if self.start_accuracy is None else
                      f"{self.start_accuracy:.3f}", after["accuracy"])
-        if self.frozen is None:
-            return None
-        _, params = lora.merge_adapters(self.graphdef, state.params, self.frozen, state.buffers, self.mesh)
-        params = jax.tree.map(lambda x: x.astype(self.cfg.model.param_dtype), params)
-        return checkpoint.save_params(os.path.join(run_dir, "merged"), step, params, state.buffers, self.cfg.model,
-                                      meta={**self.checkpoint_meta(self.segment(), self.tokens_seen),
-                                            "merged_from": "lora"})
+        return super().finish(state, step, run_dir, tokens_seen)
 
     def close(self) -> None:
         self.pending = []
@@ -311,9 +245,9 @@ class GRPO:
         return [self.tok.decode(strip_stop(rollout.completion(i), self.stop_tokens), skip_special_tokens=False)
                 for i in range(len(rollout.prompts))]
 
-    def _rollout(self) -> None:
+    def _rollout(self, state: TrainState) -> None:
         rl, g = self.rl, self.rl.group_size
-        params = with_frozen(self.policy.params, self.frozen)
+        params = self.whole_params(state.params)
         sampling = self.sampling(rl.temperature)
         groups, sampled, seconds, new_tokens = [], [], 0.0, 0
         rounds = 1 + (rl.max_refill_rounds if rl.dynamic_sampling else 0)
@@ -322,7 +256,7 @@ class GRPO:
             ids = self.pool.draw(rl.prompts_per_step)
             seed = (self.cfg.train.seed * 1_000_003 + self.rollouts_done) * 101 + round_index
             with sharding.use_mesh(self.mesh):
-                rollout = sample_groups(self.graphdef, params, self.policy.buffers, [self.prompt_ids[i] for i in ids],
+                rollout = sample_groups(self.main.graphdef, params, state.buffers, [self.prompt_ids[i] for i in ids],
                                         g, sampling, seed)
             seconds += rollout.seconds
             new_tokens += int(rollout.lengths.sum())
@@ -368,26 +302,28 @@ class GRPO:
     def _ref_logprobs(self, reference: nnx.State, buffers: nnx.State, batch: dict[str, jax.Array]) -> jax.Array:
         if not hasattr(self, "_ref_fn"):
             self._ref_fn = jax.jit(lambda p, fz, b, batch: completion_logprobs(
-                with_frozen(p, fz), b, self.graphdef, batch, self.rl.temperature, self.rl.routing_replay)[0])
+                with_frozen(p, fz), b, self.main.graphdef, batch, self.rl.temperature, self.rl.routing_replay)[0])
         with sharding.use_mesh(self.mesh):
-            return self._ref_fn(reference, self.frozen, buffers, batch)
+            return self._ref_fn(reference, self.frozen["policy"].params if self.frozen else None, buffers, batch)
 
     # --- held-out accuracy -------------------------------------------------------------------
 
     def heldout_metrics(self, state: TrainState, ids: np.ndarray) -> dict[str, float]:
         """Greedy completions of held-out prompts `ids`: accuracy (pass rate), mean reward, response length."""
         with jax.transfer_guard("allow"), sharding.use_mesh(self.mesh):
-            params = with_frozen(state.params, self.frozen)
-            rollout = sample_groups(self.graphdef, params, state.buffers, [self.heldout_ids[i] for i in ids], 1,
+            params = self.whole_params(state.params)
+            rollout = sample_groups(self.main.graphdef, params, state.buffers, [self.heldout_ids[i] for i in ids], 1,
                                     self.sampling(0.0), seed=0)
         total, _ = self.rewards.score(self.completions(rollout), [self.heldout_items[i] for i in ids])
         return {"accuracy": float(np.mean(total >= self.rl.pass_threshold)), "reward": float(total.mean()),
                 "response_len": float(rollout.lengths.mean())}
 
-    def evaluate(self, state: TrainState) -> dict[str, float]:
-        """`heldout_metrics` over the eval set (`eval_batches`), averaged per prompt."""
-        chunks = self.eval_batches(self.segment(), self.cfg.train.eval_batches)[""]
-        results = [(len(c["ids"]), self.heldout_metrics(state, c["ids"])) for c in chunks]
+    def held_out_accuracy(self, state: TrainState) -> dict[str, float]:
+        """`heldout_metrics` over the first `heldout_count` held-out prompts in chunks of `rl.eval_batch`, averaged
+        per prompt."""
+        n, size = self.heldout_count, self.rl.eval_batch
+        results = [(len(ids), self.heldout_metrics(state, ids))
+                   for ids in (np.arange(i, min(i + size, n)) for i in range(0, n, size))]
         n = sum(size for size, _ in results)
         return {k: sum(size * r[k] for size, r in results) / n for k in results[0][1]}
 
@@ -395,12 +331,7 @@ class GRPO:
 def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[GRPO, TrainState]:
     """Mesh -> policy weights -> (adapters) -> optimizer -> train state, prompts and rewards; nothing sampled."""
     rl = cfg.rl
-    sizes = sharding.mesh_shape(cfg.mesh.sizes(), len(devices) if devices is not None else jax.device_count())
-    shards = sizes["data"] * sizes["expert"]
     rows = rl.prompts_per_step * rl.group_size // rl.minibatches
-    if rows % shards:
-        raise InputError(f"rl.prompts_per_step x rl.group_size / rl.minibatches = {rows} rows per update must be a "
-                         f"multiple of the mesh's data x expert devices ({shards})")
     if cfg.checkpoint.every % rl.updates_per_rollout:
         raise InputError(f"checkpoint.every={cfg.checkpoint.every} must be a multiple of the optimizer steps per "
                          f"rollout ({rl.updates_per_rollout} = rl.minibatches x rl.epochs), so that checkpoints fall "
@@ -416,16 +347,13 @@ def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
     rewards = Rewards.from_names(rl.rewards, rl.reward_weights, code_timeout_s=rl.code_timeout_s,
                                  code_memory_mb=rl.code_memory_mb)
 
-    mesh = sharding.make_mesh(cfg.mesh.sizes(), devices, cfg=cfg.model, global_batch=rows)
-    graphdef = abstract_model(cfg.model, mesh)[0]
-    params, buffers = load_base(cfg.checkpoint.init_from, cfg.model, mesh, cfg.train.seed)
-    frozen = None
-    if rl.method == "lora":
-        graphdef, params, frozen, buffers = lora.add_adapters(graphdef, params, buffers, cfg.lora, mesh,
-                                                              seed=cfg.train.seed)
-    reference = jax.tree.map(jnp.copy, params) if rl.kl_coef > 0 else None
-    tx, lr_schedule = build_optimizer(cfg.optim, params)
-    with sharding.use_mesh(mesh):
-        state = init_state(params, buffers, tx)
-    return GRPO(cfg, mesh, graphdef, tx, lr_schedule, frozen, reference, tok, items, prompt_ids, heldout,
-                heldout_ids, rewards, stop), state
+    # The KL reference is a copy of the starting weights, so they are read on a resume too.
+    spec = models.ModelSpec("policy", cfg.model, init_from=cfg.checkpoint.init_from,
+                            lora=cfg.lora if rl.method == "lora" else None, load_when_resuming=rl.kl_coef > 0)
+    warn_random_start(spec, "reinforcement learning from")
+    built = models.build(cfg, devices, [spec], [models.BatchShape(
+        "rl.prompts_per_step x rl.group_size / rl.minibatches", rows, "rl.max_prompt_len + rl.max_new_tokens",
+        rl.max_prompt_len + rl.max_new_tokens)])
+    reference = jax.tree.map(jnp.copy, built.state.params) if rl.kl_coef > 0 else None
+    logging.info("%d GRPO steps (%d per rollout) on %s", cfg.total_steps, rl.updates_per_rollout, rl.prompts)
+    return GRPO(cfg, built, reference, tok, items, prompt_ids, heldout, heldout_ids, rewards, stop), built.state

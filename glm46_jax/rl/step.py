@@ -1,19 +1,18 @@
 """The jitted GRPO update: the policy's log-probs of the sampled completions (with the rollout's routing
 replayed), the clipped loss of `objective`, an optimizer step (docs/rl.md#the-update).
 
-    step = make_grpo_step(graphdef, tx, StepSettings(...), lr_schedule=schedule, frozen=None)
-    state, metrics = step(state, batch, controls)         # train_step.TrainState, donated
+    step = make_grpo_step(graphdef, tx, StepSettings(...), lr_schedule=schedule)
+    state, metrics = step(state, batch, controls, frozen)  # train_step.TrainState, donated
 
 Batches are `rollout.training_rows` plus "advantages" [b] (and "ref_logprobs" [b, s-1] with a KL term).
-The step is shaped like `train_step.make_train_step`'s (the same TrainState, optimizer, non-finite skip and
-`Bound` frozen weights for LoRA), so the generic trainer runs it; the correction biases are not moved.
+The loss plugs into the one update step (`train_step.make_step`: the same TrainState, optimizer, non-finite skip
+and frozen weights for LoRA as pre-training's), so the generic trainer runs it; the correction biases stay.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +23,7 @@ from jaxtyping import Array, Float
 from glm46_jax.loss import nll_and_lse
 from glm46_jax.model import apply
 from glm46_jax.rl import objective
-from glm46_jax.train_step import Bound, TrainState, with_frozen
+from glm46_jax.train_step import make_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,33 +88,12 @@ def grpo_loss(params: nnx.State, buffers: nnx.State, batch: dict[str, Array], gr
 
 
 def make_grpo_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, settings: StepSettings, *,
-                   lr_schedule: optax.Schedule | None = None, frozen: nnx.State | None = None
-                   ) -> Callable[[TrainState, dict, dict], tuple[TrainState, dict[str, Any]]]:
-    """step(state, batch, controls) -> (state, metrics), jitted with the state donated (inside `use_mesh`);
-    `frozen` as in `train_step.make_train_step`. Reads controls["max_loss"] like the pre-training step."""
-    grad_fn = jax.value_and_grad(
-        lambda p, fz, buffers, batch: grpo_loss(with_frozen(p, fz), buffers, batch, graphdef, settings), has_aux=True)
+                   lr_schedule: optax.Schedule | None = None, name: str = "policy") -> Callable:
+    """step(state, batch, controls[, frozen]) -> (state, metrics): `grpo_loss` in the one update step
+    (`train_step.make_step`: the spike / non-finite skip, the lr metric); the correction biases are not moved.
+    `frozen` ({name: FrozenModel(base)} for LoRA) as in `train_step.make_train_step`."""
 
-    def step(state: TrainState, batch: dict, ctrl: dict, frozen: nnx.State | None = None):
-        (_, metrics), grads = grad_fn(state.params, frozen, state.buffers, batch)
-        bad = (metrics["loss"] > ctrl.get("max_loss", jnp.inf)) | ~jnp.isfinite(metrics["loss"])
-        grad_norm = optax.tree.norm(grads)
-        grads = jax.tree.map(lambda g: jnp.where(bad, jnp.nan, g), grads)
-        finite_before = state.opt_state if isinstance(state.opt_state, optax.ApplyIfFiniteState) else None
-        with jax.named_scope("optimizer"):
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-        out = {**metrics, "grad_norm": grad_norm, "spike": bad.astype(jnp.int32)}
-        if isinstance(opt_state, optax.ApplyIfFiniteState):
-            applied = opt_state.notfinite_count == 0
-            out.update(skipped=1 - applied.astype(jnp.int32), nonfinite_in_a_row=opt_state.notfinite_count,
-                       nonfinite_total=opt_state.total_notfinite)
-        else:
-            out["nonfinite_in_a_row"] = jnp.int32(0)
-        if lr_schedule is not None:
-            skipped_before = finite_before.total_notfinite if finite_before is not None else 0
-            out["lr"] = jnp.asarray(lr_schedule(state.step - skipped_before), jnp.float32)
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), out
+    def loss(params, buffers, batch, ctx):
+        return grpo_loss(params[name], buffers[name], batch, graphdef, settings)
 
-    jitted = jax.jit(step, donate_argnums=(0,))
-    return jitted if frozen is None else Bound(jitted, frozen)
+    return make_step(loss, {name: tx}, name, lr_schedule=lr_schedule)

@@ -1,0 +1,184 @@
+"""What every recipe shares, written once: `RecipeBase` (the `trainer.Recipe` members that do not depend on the
+recipe) and `LanguageModeling` (next-token training on token batches: pre-training, mid-training, SFT).
+
+    class MyRecipe(RecipeBase):        # implement start, next_input, steps_for, evaluate (docs/trainer.md)
+        ...
+    def build(cfg, devices):           # registered in run_config.RECIPES
+        built = models.build(cfg, devices, [ModelSpec(...)], [BatchShape(...)])
+        return MyRecipe(cfg, built), built.state
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from glm46_jax import models
+from glm46_jax.balancing import rate_at
+from glm46_jax.config import ModelConfig
+from glm46_jax.counting import flops_per_token
+from glm46_jax.data import loader
+from glm46_jax.loss import mtp_weight_at
+from glm46_jax.run_config import RunConfig
+from glm46_jax.train_step import StepConfig, TrainState, controls, make_eval_step, make_train_step
+
+
+@dataclasses.dataclass
+class RecipeBase:
+    """The recipe-independent half of `trainer.Recipe`; subclasses add the batches, the step and evaluation."""
+    cfg: RunConfig
+    built: models.Built
+    tokenizer: dict[str, str] | None = dataclasses.field(default=None, kw_only=True)  # set by train.py
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.built.mesh
+
+    @property
+    def frozen(self) -> Any:
+        return self.built.frozen
+
+    @property
+    def main(self) -> models.Model:
+        return self.built.main
+
+    @property
+    def total_steps(self) -> int:
+        return self.cfg.total_steps
+
+    @property
+    def global_rows(self) -> bool:
+        """Every process reads the whole batch (so the data state restores on any process count)."""
+        return False
+
+    def tokenizer_source(self) -> str | None:
+        """The tokenizer.json the run's tokens come from (copied into the run dir); None = none known."""
+        return None
+
+    def model_for(self, segment: Any) -> ModelConfig:
+        return self.main.config
+
+    def flops_per_token(self, segment: Any) -> float:
+        return flops_per_token(self.model_for(segment), segment.seq_len)
+
+    def describe(self, segment: Any) -> dict[str, float]:
+        return {"seq_len": segment.seq_len}
+
+    def extra_meta(self) -> dict[str, Any]:
+        """Recipe-specific entries of the checkpoint meta."""
+        return {}
+
+    def checkpoint_meta(self, segment: Any, tokens_seen: int) -> dict[str, Any]:
+        meta = {"model_config": dataclasses.asdict(self.model_for(segment)), "phase": segment.name,
+                "tokens_seen": tokens_seen, "tokenizer": self.tokenizer, "config": dict(self.cfg.source),
+                **self.extra_meta()}
+        if self.main.spec.init_from:
+            meta["init_from"] = self.main.spec.init_from
+        if self.main.spec.lora is not None:
+            meta["lora"] = self.main.spec.lora.to_dict()
+        trained = [m for m in self.built.models.values() if m.spec.trained and m is not self.main]
+        if trained:  # the further models' architectures, for restoring them (checkpoint.Checkpointer)
+            meta["model_configs"] = {m.spec.name: dataclasses.asdict(m.config) for m in trained}
+        return meta
+
+    def current_segment(self) -> Any:
+        """The segment the run ended in (for the meta of what `finish` writes)."""
+        raise NotImplementedError
+
+    def finish(self, state: TrainState, step: int, run_dir: str, tokens_seen: int) -> str | None:
+        """After a completed run: with LoRA, the merged weights at <run_dir>/merged/<step> (their path)."""
+        if self.main.spec.lora is None:
+            return None
+        return models.save_merged(self.main, state, self.frozen, self.mesh, run_dir, step,
+                                  self.checkpoint_meta(self.current_segment(), tokens_seen))
+
+    def close(self) -> None:
+        pass
+
+
+class HeldOut:
+    """Held-out sets scored by one compiled eval program per segment and batch shape: `eval/<metric>` for the
+    segment's own mixture (set ""), `eval/<set>/<metric>` for a named set (a domain); {} without held-out data."""
+
+    def __init__(self, eval_step_for: Callable[[Any], Callable], sets_for: Callable[[Any], dict[str, list]]):
+        self.eval_step_for, self.sets_for = eval_step_for, sets_for
+        self.sets: dict[str, dict[str, list]] = {}
+        self.compiled: dict[tuple, Any] = {}
+        self.compile_s = 0.0
+
+    def __call__(self, state: Any, segment: Any, ctrl: Any, frozen: Any) -> dict[str, float]:
+        if segment.name not in self.sets:
+            self.sets[segment.name] = self.sets_for(segment)
+        out = {}
+        for name, batches in self.sets[segment.name].items():
+            if not batches:
+                continue
+            key = (segment.name, batches[0]["inputs"].shape)
+            if key not in self.compiled:
+                t0 = time.perf_counter()
+                self.compiled[key] = self.eval_step_for(segment).lower(state, batches[0], ctrl, frozen).compile()
+                self.compile_s += time.perf_counter() - t0
+            per_batch = jax.device_get([self.compiled[key](state, b, ctrl, frozen) for b in batches])
+            prefix = f"eval/{name}/" if name else "eval/"
+            out.update({f"{prefix}{k}": float(np.mean([m[k] for m in per_batch])) for k in per_batch[0]})
+            out[f"{prefix}ppl"] = float(np.exp(out[f"{prefix}ce"]))  # of the mean CE, not the mean of ppls
+        return out
+
+
+class LanguageModeling(RecipeBase):
+    """Next-token training (CE, MTP and aux losses, loss-free balancing) of one model on token batches; a
+    subclass brings the batches (`next_input`, `eval_sets`)."""
+
+    def __post_init__(self):
+        self.held_out = HeldOut(self.eval_step_for, lambda seg: self.eval_sets(seg, self.cfg.train.eval_batches))
+        self._steps: dict[tuple, Callable] = {}  # segments with the same model config share one traced step
+
+    @property
+    def step_cfg(self) -> StepConfig:
+        return StepConfig(loss=self.cfg.loss, balance_mtp=self.cfg.balance.include_mtp,
+                          accum_steps=self.cfg.train.accum_steps)
+
+    def steps_for(self, segment: Any) -> Callable:
+        cfg, main = self.model_for(segment), self.main
+        if ("train", cfg) not in self._steps:
+            self._steps["train", cfg] = make_train_step(self.graphdef_for(segment), main.tx, cfg, self.step_cfg,
+                                                        lr_schedule=main.lr_schedule, name=main.spec.name)
+        return self._steps["train", cfg]
+
+    def eval_step_for(self, segment: Any) -> Callable:
+        cfg = self.model_for(segment)
+        if ("eval", cfg) not in self._steps:
+            self._steps["eval", cfg] = make_eval_step(self.graphdef_for(segment), cfg, self.cfg.loss,
+                                                      name=self.main.spec.name)
+        return self._steps["eval", cfg]
+
+    def graphdef_for(self, segment: Any):
+        return self.main.graphdef
+
+    def evaluate(self, state: TrainState, segment: Any, ctrl: Any) -> dict[str, float]:
+        return self.held_out(state, segment, ctrl, self.frozen)
+
+    def eval_sets(self, segment: Any, count: int) -> dict[str, list[dict[str, jax.Array]]]:
+        raise NotImplementedError
+
+    def controls_at(self, tokens_seen: int, max_loss: float = float("inf")):
+        """The token-scheduled scalars for a step starting after `tokens_seen` tokens."""
+        with jax.transfer_guard_host_to_device("allow"):
+            return controls(mtp_weight_at(self.cfg.loss, tokens_seen), rate_at(self.cfg.balance, tokens_seen),
+                            max_loss)
+
+    def device_batch(self, local: Mapping[str, np.ndarray], *, train: bool = True) -> dict[str, jax.Array]:
+        return loader.to_global(local, self.mesh, accum_steps=self.cfg.train.accum_steps if train else 1,
+                                global_rows=self.global_rows)
+
+
+def warn_random_start(spec: models.ModelSpec, what: str) -> None:
+    if not spec.init_from:
+        logging.warning("checkpoint.init_from is empty: %s randomly initialised weights", what)
+

@@ -148,8 +148,10 @@ def build(cfg: RunConfig, devices: Sequence[jax.Device] | None, specs: Sequence[
         with sharding.use_mesh(mesh):
             trained[s.name] = ModelState(params, buffers, init_opt_state(params, tx))
     first = trained.pop(main.name)
-    state = TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=first.params, buffers=first.buffers,
-                       opt_state=first.opt_state, others=trained)
+    with sharding.use_mesh(mesh):  # the step counter replicated over the mesh, like everything in the state
+        step = jax.numpy.zeros((), jax.numpy.int32)
+    state = TrainState(step=step, params=first.params, buffers=first.buffers, opt_state=first.opt_state,
+                       others=trained)
     return Built(mesh, models, state, frozen or None)
 
 

@@ -110,7 +110,6 @@ class HeldOut:
         self.eval_step_for, self.sets_for = eval_step_for, sets_for
         self.sets: dict[str, dict[str, list]] = {}
         self.compiled: dict[tuple, Any] = {}
-        self.compile_s = 0.0
 
     def __call__(self, state: Any, segment: Any, ctrl: Any, frozen: Any) -> dict[str, float]:
         if segment.name not in self.sets:
@@ -123,7 +122,8 @@ class HeldOut:
             if key not in self.compiled:
                 t0 = time.perf_counter()
                 self.compiled[key] = self.eval_step_for(segment).lower(state, batches[0], ctrl, frozen).compile()
-                self.compile_s += time.perf_counter() - t0
+                logging.info("%s: compiled the eval step for batch %s in %.1f s", segment.name, key[1],
+                             time.perf_counter() - t0)
             per_batch = jax.device_get([self.compiled[key](state, b, ctrl, frozen) for b in batches])
             prefix = f"eval/{name}/" if name else "eval/"
             out.update({f"{prefix}{k}": float(np.mean([m[k] for m in per_batch])) for k in per_batch[0]})

@@ -21,6 +21,7 @@ multiple of the updates per rollout. A run stopped mid-rollout (preemption) resu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -171,10 +172,12 @@ class GRPO(RecipeBase):
         return _tokenizer_path(self.cfg)
 
     def steps_for(self, segment: Segment) -> Any:
-        if not hasattr(self, "_step"):
-            self._step = make_grpo_step(self.main.graphdef, self.main.tx, self.settings,
-                                        lr_schedule=self.main.lr_schedule, name="policy")
-        return self._step
+        return self._grpo_step
+
+    @functools.cached_property
+    def _grpo_step(self) -> Any:  # one segment: traced once
+        return make_grpo_step(self.main.graphdef, self.main.tx, self.settings, lr_schedule=self.main.lr_schedule,
+                              name="policy")
 
     def describe(self, segment: Segment) -> dict[str, float]:
         return dict(segment.stats)

@@ -130,8 +130,14 @@ def validate_mesh(sizes: Mapping[str, int], cfg, global_batch: int | None = None
                          "gathered keys by position); set --config.model.attention_impl=blockwise or mesh.context=1")
     tensor, expert = ("tensor",), ("expert",)
     need(cfg.n_routed_experts, expert, "model.n_routed_experts", "choose a mesh.expert that divides it")
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
-                  "vocab_size"):
+    need(cfg.num_attention_heads, tensor, "model.num_attention_heads", "choose a mesh.tensor that divides it")
+    kv, tp = cfg.num_key_value_heads, sizes.get("tensor", 1)
+    if kv % tp and tp % kv:  # fewer KV heads than `tensor` are copied (`copies_to_split`), so either may divide
+        raise InputError(f"model.num_key_value_heads={kv} is not divisible by the tensor mesh size {tp} "
+                         f"(mesh.tensor={tp}), nor does it divide it (fewer KV heads than mesh.tensor are copied, "
+                         "each to mesh.tensor / num_key_value_heads devices); choose a mesh.tensor that divides it "
+                         "or is a multiple of it")
+    for field in ("intermediate_size", "moe_intermediate_size", "vocab_size"):
         need(getattr(cfg, field), tensor, f"model.{field}", "choose a mesh.tensor that divides it")
     # Parameters are FSDP-sharded over `data` through their model dimension.
     need(cfg.hidden_size, ("data",), "model.hidden_size", "choose a mesh.data that divides it")
@@ -188,6 +194,24 @@ def logical(*names: str | None) -> PartitionSpec:
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
     return PartitionSpec(*(spec(n) for n in names))
+
+
+def copies_to_split(name: str, size: int) -> int:
+    """How many copies of each of its `size` entries an axis named `name` needs to split evenly over `name`'s
+    mesh axes in the mesh in use: 1 where `size` divides already (and outside a mesh).
+
+    Fewer entries than devices is MQA/GQA with fewer KV heads than `tensor`: as in transformers-compatible serving
+    engines (vLLM, SGLang), each KV head's projection is replicated and its k/v copied to the
+    `tensor / num_key_value_heads` devices whose query heads read it; `validate_mesh` refuses sizes where neither
+    divides the other.
+    """
+    shape = dict(jax.sharding.get_abstract_mesh().shape)
+    n = math.prod(shape.get(a, 1) for a in mesh_axes(name))
+    if size % n == 0:
+        return 1
+    if n % size:
+        raise ValueError(f"{size} entries of {name!r} neither split over nor divide its {n} devices")
+    return n // size
 
 
 def mesh_axes(name: str) -> tuple[str, ...]:
@@ -261,6 +285,20 @@ def whole_along(x: jax.Array, axis: int) -> jax.Array:
         return x
     spec = list(layout.spec) + [None] * (x.ndim - len(layout.spec))
     spec[axis] = None
+    return jax.sharding.reshard(x, layout.update(spec=jax.P(*spec)))
+
+
+def unsharded_singletons(x: jax.Array) -> jax.Array:
+    """`x` with its size-1 axes unsharded: free, as such an axis can only be split over mesh axes of size 1.
+
+    For operands that meet after different reshapes: JAX's reshape rules keep a size-1 axis's layout in some
+    reshapes and drop it in others (all of them, in a reshape that only adds or removes size-1 axes), so two
+    operands of one product could otherwise disagree on it."""
+    layout = jax.typeof(x).sharding
+    if layout.mesh.empty:
+        return x
+    spec = list(layout.spec) + [None] * (x.ndim - len(layout.spec))
+    spec = [None if size == 1 else axes for size, axes in zip(x.shape, spec)]
     return jax.sharding.reshard(x, layout.update(spec=jax.P(*spec)))
 
 

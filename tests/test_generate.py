@@ -212,7 +212,7 @@ def test_user_errors_are_user_errors(args, message, tmp_path):
         gen.main([a.format(**paths) for a in args])
 
 
-@pytest.mark.parametrize("case", ["hf_full", "hf_air"])
+@pytest.mark.parametrize("case", ["hf_full", "hf_air", "hf_mqa"])
 def test_greedy_equals_transformers_generate(case, mesh1):
     """HF `generate` (greedy, its own KV cache, each prompt alone) saved by tests/fixtures/make_hf_fixtures.py; here
     the prompts (lengths 12, 5, 1) run as one left-padded batch. Every HF step's top-1 / top-2 logit margin is
@@ -229,6 +229,18 @@ def test_greedy_equals_transformers_generate(case, mesh1):
     assert rows == gold["gen_tokens"].tolist()  # no row stopped early
     # Greedy log-probs are log_softmax of the unmodified logits, as HF's raw step logits give them.
     np.testing.assert_allclose(np.asarray(out.logprobs), gold["gen_logprobs"], atol=1e-5, rtol=0)
+
+
+def test_cli_one_prompt_on_one_kv_head_is_transformers_greedy(capsys):
+    """`generate --hf-dir` on the MQA fixture (issue 27) with one prompt: a batch of one row, whose decode steps
+    route one token to its top-1 expert."""
+    d = os.path.join(FIXTURES, "hf_mqa")
+    gold = np.load(os.path.join(d, "golden.npz"))
+    n = gold["gen_prompt_lengths"][1]
+    prompt = ",".join(map(str, gold["gen_prompt_ids"][1, :n]))
+    new = gen.main(["--hf-dir", d, "--tokens", prompt, "--max-new-tokens", str(gold["gen_tokens"].shape[1])])
+    assert new == [gold["gen_tokens"][1].tolist()]
+    assert capsys.readouterr().out.count("tokens, log-prob") == 1
 
 
 @pytest.fixture(scope="module")

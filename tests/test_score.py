@@ -38,11 +38,12 @@ def _np_logprobs(logits, ids):
     return logp[np.arange(len(ids) - 1), ids[1:]]
 
 
-def test_score_matches_hf_logprobs(tmp_path, capsys):
-    gold = np.load(os.path.join(FIXTURES, "hf_full", "golden.npz"))
+@pytest.mark.parametrize("case", ["hf_full", "hf_mqa"])  # hf_mqa: one KV head (issue 27)
+def test_score_matches_hf_logprobs(case, tmp_path, capsys):
+    gold = np.load(os.path.join(FIXTURES, case, "golden.npz"))
     ids = gold["input_ids"][0]
     out = tmp_path / "logits.npy"
-    total = score.main(["--hf-dir", os.path.join(FIXTURES, "hf_full"),
+    total = score.main(["--hf-dir", os.path.join(FIXTURES, case),
                         "--tokens", ",".join(map(str, ids)), "--out", str(out)])
     want = _np_logprobs(gold["logits"][0], ids)
     assert abs(total - want.sum()) <= 1e-4 * len(want)

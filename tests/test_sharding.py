@@ -2,6 +2,8 @@
 parameter/gradient layouts against the rule table, capacity drops, and mesh validation errors."""
 
 import dataclasses
+import functools
+import os
 
 import chex
 import jax
@@ -10,9 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import FIXTURES
 from glm46_jax import sharding
 from glm46_jax.cli import InputError
 from glm46_jax.config import TINY
+from glm46_jax.hf import load_hf, read_config
 from glm46_jax.model import abstract_model, apply, init_model
 from glm46_jax.model.moe import dispatch
 
@@ -197,7 +201,9 @@ def test_capacity_output_matches_hand_computed_survivors():
     ({"data": "eight"}, CFG, None, "mesh.data='eight': expected an integer size"),
     ({"data": 1, "expert": 8}, dataclasses.replace(CFG, n_routed_experts=12, n_group=1, topk_group=1),
      None, r"n_routed_experts=12 is not divisible by the expert mesh size 8 \(mesh.expert=8\); choose a mesh.expert"),
-    ({"data": 1, "tensor": 8}, CFG, None, "num_key_value_heads=4 is not divisible by the tensor mesh size 8"),
+    # Fewer KV heads than tensor devices are copied (4 over tensor 8 is fine), but one must divide the other.
+    ({"data": 2, "tensor": 4}, dataclasses.replace(CFG, num_attention_heads=12, num_key_value_heads=6), None,
+     r"num_key_value_heads=6 is not divisible by the tensor mesh size 4 \(mesh.tensor=4\), nor does it divide it"),
     ({"data": 2, "tensor": 4}, dataclasses.replace(CFG, num_attention_heads=6, num_key_value_heads=2), None,
      "num_attention_heads=6 is not divisible by the tensor mesh size 4"),
     ({"data": 2, "tensor": 4}, dataclasses.replace(CFG, intermediate_size=130), None,
@@ -236,3 +242,43 @@ def test_init_on_a_mesh_equals_single_device_init(mesh1):
     # apart. A wrong key or layout would differ everywhere by O(initializer_range).
     chex.assert_trees_all_close(p8, p1, rtol=1e-6, atol=0)
     assert isinstance(p8, nnx.State)
+
+
+def test_one_kv_head_train_step_on_tensor_2_matches_one_device(mesh1):
+    """MQA (the hf_mqa fixture, issue 27) on (data 2, tensor 2, expert 2): the k/v weights are replicated over
+    `tensor`, the KV head copied to both tensor devices (in the KV cache too); a train step equals one device's.
+
+    SGD, so the update is the gradient itself: Adam would divide rounding noise in the router's gradient (only the
+    aux loss's ~5e-6 with top-1 routing, whose normalised combine weight is constant) by that gradient's own size."""
+    import optax
+
+    from glm46_jax.model.transformer import GenerationCache
+    from glm46_jax.train_step import controls, init_state, make_train_step
+
+    d = os.path.join(FIXTURES, "hf_mqa")
+    x = np.random.default_rng(0).integers(0, 128, (4, 17)).astype(np.int32)
+    batch = {"inputs": x[:, :-1], "targets": x[:, 1:]}
+    mesh = sharding.make_mesh({"data": 2, "tensor": 2, "expert": 2}, cfg=read_config(d), global_batch=4)
+    tx = optax.sgd(0.5)
+    results = {}
+    for name, m in (("one", mesh1), ("mesh", mesh)):
+        cfg, graphdef, params, buffers = load_hf(d, m)
+        layout = jax.NamedSharding(m, sharding.logical("batch", "seq"))
+        with sharding.use_mesh(m):
+            state = init_state(params, buffers, tx)
+            step = make_train_step(graphdef, tx, cfg)
+            state, metrics = step(state, {k: jax.device_put(v, layout) for k, v in batch.items()}, controls(0.3, 1e-2))
+            cache = jax.eval_shape(functools.partial(GenerationCache.zeros, cfg, 4, 8))
+        # By path: the k/v weights' logical names differ between the meshes (replicated where tensor > 1 KV head).
+        results[name] = jax.device_get((metrics, *({jax.tree_util.keystr(path): leaf for path, leaf in
+                                                    jax.tree_util.tree_leaves_with_path(tree)}
+                                                   for tree in (state.params, state.buffers))))
+    specs = _specs(state.params)
+    assert specs["dense_layers/self_attn/k_proj"] == P(None, "data", None, None)
+    assert specs["mtp/block/self_attn/v_bias"] == P(None, None)
+    assert specs["dense_layers/self_attn/q_proj"] == P(None, "data", "tensor", None)
+    assert cache.moe.k.shape[3] == 2 and cache.moe.k.sharding.spec[3] == "tensor"
+    keys = ("loss", "ce", "mtp_ce", "aux_loss", "grad_norm", "load_cv")
+    chex.assert_trees_all_close({k: results["mesh"][0][k] for k in keys}, {k: results["one"][0][k] for k in keys},
+                                rtol=1e-5, atol=0)
+    chex.assert_trees_all_close(results["mesh"][1:], results["one"][1:], atol=1e-6, rtol=0)

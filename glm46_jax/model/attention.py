@@ -12,7 +12,8 @@ from glm46_jax.config import ModelConfig
 from glm46_jax.model.adapters import adapted
 from glm46_jax.model.blockwise_attention import blockwise_attention
 from glm46_jax.model.layers import RMSNorm, apply_partial_rope, param
-from glm46_jax.sharding import context_size, load_balanced_order, logical, mesh_axes, shard_map, weight, whole_along
+from glm46_jax.sharding import (context_size, copies_to_split, load_balanced_order, logical, mesh_axes, shard_map,
+                                unsharded_singletons, weight, whole_along)
 
 
 def attention_mask(segment_ids: Int[Array, "b s"] | None, seq_len: int) -> Bool[Array, "b 1 s t"]:
@@ -46,8 +47,9 @@ def self_attention_mask(cfg: ModelConfig, segment_ids: Int[Array, "b s"] | None,
     return attention_mask(segment_ids, seq_len)
 
 
-# Laid out like the k/v activations (batch over data x expert, kv heads over tensor), one slice per layer; the
-# slots whole (generation does not split a sequence over `context`).
+# Laid out like the k/v activations (batch over data x expert, kv heads over tensor: `Attention._qkv`'s copies of
+# them where they are fewer than tensor devices), one slice per layer; the slots whole (generation does not split a
+# sequence over `context`).
 CACHE_AXES = ("layers", "batch", "cache_slots", "kv_heads", "head_dim")
 
 
@@ -55,16 +57,17 @@ CACHE_AXES = ("layers", "batch", "cache_slots", "kv_heads", "head_dim")
 class KVCache:
     """Keys and values of one scanned layer stack, preallocated for `max_len` slots.
 
-    k, v: [layers, batch, max_len, kv_heads, head_dim]. Keys are stored after QK-norm and RoPE, so a
-    slot is written once and read as is by every later step. Updated with dynamic_update_slice: under
-    jit with the cache donated, XLA writes the new slots in place instead of copying the whole cache.
+    k, v: [layers, batch, max_len, kv_heads, head_dim], with `Attention.kv_heads` (copies included) KV heads.
+    Keys are stored after QK-norm and RoPE, so a slot is written once and read as is by every later step.
+    Updated with dynamic_update_slice: under jit with the cache donated, XLA writes the new slots in place
+    instead of copying the whole cache.
     """
     k: Float[Array, "l b t k c"]
     v: Float[Array, "l b t k c"]
 
     @classmethod
     def zeros(cls, num_layers: int, batch: int, max_len: int, cfg: ModelConfig) -> KVCache:
-        shape = (num_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (num_layers, batch, max_len, Attention.kv_heads(cfg), cfg.head_dim)
         spec = logical(*CACHE_AXES)
         return cls(*(jnp.zeros(shape, jnp.dtype(cfg.dtype), out_sharding=spec) for _ in range(2)))
 
@@ -103,18 +106,27 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, k, c = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        # Fewer KV heads than the devices "kv_heads" splits over (MQA): the k/v weights are replicated and every
+        # device computes the copy of its KV head that its query heads read (`_qkv`).
+        kv = "kv_heads" if copies_to_split("kv_heads", k) == 1 else None
         self.q_proj = param(rngs, (d, h, c), ("embed", "heads", "head_dim"), cfg)
-        self.k_proj = param(rngs, (d, k, c), ("embed", "kv_heads", "head_dim"), cfg)
-        self.v_proj = param(rngs, (d, k, c), ("embed", "kv_heads", "head_dim"), cfg)
+        self.k_proj = param(rngs, (d, k, c), ("embed", kv, "head_dim"), cfg)
+        self.v_proj = param(rngs, (d, k, c), ("embed", kv, "head_dim"), cfg)
         self.o_proj = param(rngs, (h, c, d), ("heads", "head_dim", "embed"), cfg)
         if cfg.attention_bias:  # q/k/v only; o_proj never has a bias
             self.q_bias = param(None, (h, c), ("heads", "head_dim"), cfg, init="zeros")
-            self.k_bias = param(None, (k, c), ("kv_heads", "head_dim"), cfg, init="zeros")
-            self.v_bias = param(None, (k, c), ("kv_heads", "head_dim"), cfg, init="zeros")
+            self.k_bias = param(None, (k, c), (kv, "head_dim"), cfg, init="zeros")
+            self.v_bias = param(None, (k, c), (kv, "head_dim"), cfg, init="zeros")
         if cfg.use_qk_norm:  # one [head_dim] weight shared by all heads
             self.q_norm = RMSNorm(c, cfg)
             self.k_norm = RMSNorm(c, cfg)
         self.cfg = cfg
+
+    @staticmethod
+    def kv_heads(cfg: ModelConfig) -> int:
+        """The KV heads attention runs with on the mesh in use: the model's, each copied `copies_to_split` times
+        where they are fewer than the devices "kv_heads" splits over."""
+        return cfg.num_key_value_heads * copies_to_split("kv_heads", cfg.num_key_value_heads)
 
     @jax.named_scope("attention")  # op names in profiles and HLO dumps: .../attention/...
     def __call__(self, x: Float[Array, "b s d"], cos: Array, sin: Array,
@@ -143,19 +155,33 @@ class Attention(nnx.Module):
             q, k, v = q + weight(self.q_bias, dt), k + weight(self.k_bias, dt), v + weight(self.v_bias, dt)
         if cfg.use_qk_norm:  # after the bias, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin), v
+        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        copies = copies_to_split("kv_heads", cfg.num_key_value_heads)
+        if copies > 1:  # one copy per device; a head's copies adjacent, so query head h still reads (a copy of) h // g
+            k, v = (jax.sharding.reshard(jnp.repeat(a, copies, axis=2), logical("batch", "seq", "kv_heads", None))
+                    for a in (k, v))
+        return q, k, v
 
     def _attend(self, q, k, v, mask):
         cfg = self.cfg
         scale = cfg.head_dim ** -0.5  # 1/sqrt(head_dim), not 1/sqrt(hidden/heads)
         if context_size() == 1:  # seq names the context axis even at size 1: [s, t] products cannot shard both
-            q, k, v = (jax.sharding.reshard(a, logical("batch", None, heads, None))
-                       for a, heads in ((q, "heads"), (k, "kv_heads"), (v, "kv_heads")))
+            # One KV head is left only where the heads' devices are one (`_qkv` copies it wherever there are more):
+            # leave the heads unsharded then, as splitting the query heads into (1 kv head, group), here or inside
+            # jax.nn.dot_product_attention, moves their layout onto the group axis, which k does not have.
+            heads, kv = ("heads", "kv_heads") if k.shape[2] > 1 else (None, None)
+            q, k, v = (jax.sharding.reshard(a, logical("batch", None, names, None))
+                       for a, names in ((q, heads), (k, kv), (v, kv)))
+            # Likewise every size-1 axis (one row): a reshape that only inserts size-1 axes (that split) drops their
+            # layouts, and the products below need q, k, v and the mask to agree on them.
+            q, k, v = map(unsharded_singletons, (q, k, v))
+            if not isinstance(mask, SequenceMask):
+                mask = unsharded_singletons(mask)
         if isinstance(mask, SequenceMask):
             attend = blockwise_attention if context_size() == 1 else context_parallel_attention
             pos, seg = mask.positions, mask.segment_ids
             if seg is not None and context_size() == 1:
-                seg = whole_along(seg, 1)
+                seg = unsharded_singletons(whole_along(seg, 1))
             out = attend(q, k, v, q_positions=pos, k_positions=pos, q_segment_ids=seg, k_segment_ids=seg,
                          scale=scale, block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv)
         elif cfg.attention_impl in ("xla", "blockwise"):  # blockwise's generation path: a dense cache mask

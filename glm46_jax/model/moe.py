@@ -17,7 +17,8 @@ from glm46_jax.config import ModelConfig
 from glm46_jax.model.adapters import adapted
 from glm46_jax.model.experts import expert_capacity, grouped_experts, local_experts
 from glm46_jax.model.layers import MLP, ExpertBias, param
-from glm46_jax.sharding import constrain, flatten_tokens, logical, mesh_axes, shard_map, unflatten_tokens, weight
+from glm46_jax.sharding import (constrain, flatten_tokens, logical, mesh_axes, shard_map, unflatten_tokens,
+                                unsharded_singletons, weight)
 
 
 def choose_experts(x: Float[Array, "n d"], w_router_de: Array, bias_e: Array,
@@ -41,7 +42,9 @@ def choose_experts(x: Float[Array, "n d"], w_router_de: Array, bias_e: Array,
 
 def combine_weights(scores: Float[Array, "n e"], idx: Int[Array, "n k"], cfg: ModelConfig) -> Float[Array, "n k"]:
     """The chosen experts' combine weights, from the unbiased scores: the router's gradient path."""
-    weights = jnp.take_along_axis(scores, idx, axis=-1)
+    # One token (a decode step of one row): take_along_axis gathers a size-1 token axis as a slice, not as a batch
+    # axis, and a slice of a sharded axis cannot be typed; a size-1 axis needs no layout.
+    weights = jnp.take_along_axis(unsharded_singletons(scores), unsharded_singletons(idx), axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return weights * cfg.routed_scaling_factor

@@ -170,13 +170,13 @@ class Checkpointer:
     def steps(self) -> list[int]:
         return sorted(self._mngr.all_steps())
 
-    def restore_latest(self, target, shared_data: bool = False) -> tuple[int, Any, Any, dict[str, Any]] | None:
+    def restore_latest(self, target, global_rows: bool = False) -> tuple[int, Any, Any, dict[str, Any]] | None:
         """(step, state, this process's data state, meta) of the newest checkpoint that restores.
 
         `target` is a TrainState laid out on the *current* mesh (e.g. a freshly initialised one):
         its shardings are the restore target, so a checkpoint saved on another mesh lands directly
         in this one's layout. A damaged newest step (missing or truncated file) is skipped with a
-        warning naming it, and the one before is tried. `shared_data`: every process read the same
+        warning naming it, and the one before is tried. `global_rows`: every process read the same
         data (`data.process_split="rows"`), so the data state restores on any number of processes.
         """
         # A save cut off mid-write is never listed as a step, so say so here.
@@ -186,7 +186,7 @@ class Checkpointer:
         failures = []
         for step in reversed(self.steps()):
             try:
-                return (step, *self._restore(step, target, shared_data))
+                return (step, *self._restore(step, target, global_rows))
             except IncompatibleCheckpoint:
                 raise  # readable, but not by this run: no older step would be either
             except Exception as e:  # noqa: BLE001 - any failure to read a step means: try the previous one
@@ -200,7 +200,7 @@ class Checkpointer:
                                "to start over; nothing was deleted.")
         return None
 
-    def _restore(self, step: int, target, shared_data: bool):
+    def _restore(self, step: int, target, global_rows: bool):
         abstract = lambda tree: jax.tree.map(  # noqa: E731
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
         meta = read_meta(os.path.join(self.directory, str(step)))
@@ -214,7 +214,7 @@ class Checkpointer:
             items["others"] = ocp.args.StandardRestore(abstract(_others_tree(target.others, meta, target=True)))
         r = self._mngr.restore(step, args=ocp.args.Composite(**items))
         processes = r["data"]["processes"]
-        if shared_data:
+        if global_rows:
             processes = processes[:1] * jax.process_count()
         elif len(processes) != jax.process_count():
             raise IncompatibleCheckpoint(
@@ -236,7 +236,7 @@ class Checkpointer:
         self._mngr.close()
 
 
-def resume(ckpt: Checkpointer, state, *, resume: str, shared_data: bool = False) -> tuple[int, Any, Any | None]:
+def resume(ckpt: Checkpointer, state, *, resume: str, global_rows: bool = False) -> tuple[int, Any, Any | None]:
     """(first step to run, state, data-iterator state to continue from or None) for a starting run.
 
     resume="auto": the newest complete checkpoint in `ckpt`, if any; else a fresh start from `state` as built
@@ -244,7 +244,7 @@ def resume(ckpt: Checkpointer, state, *, resume: str, shared_data: bool = False)
     starting over would overwrite them.
     """
     if resume == "auto":
-        restored = ckpt.restore_latest(state, shared_data=shared_data)
+        restored = ckpt.restore_latest(state, global_rows=global_rows)
         if restored is not None:
             step, state, data_state, _ = restored
             logging.info("resumed from %s (step %d)", ckpt.directory, step)

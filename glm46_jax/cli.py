@@ -15,9 +15,10 @@ ValueError (and tests written against it) keep working.
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from glm46_jax import host
@@ -93,8 +94,6 @@ def _check_config_overrides(flag_values: Any, argv: list[str]) -> None:
     from ml_collections import config_dict
     from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
-    from glm46_jax.config import check_known_fields  # imported late: config imports this module
-
     for name in set(flag_values):
         if not isinstance(flag_values[name].parser, ConfigFileFlagParser):
             continue
@@ -115,6 +114,26 @@ def _check_config_overrides(flag_values: Any, argv: list[str]) -> None:
                     break
                 check_known_fields(where, [key], node.keys())
                 node, where = node[key], f"{where}.{key}"
+
+
+def check_known_fields(section: str, given: Iterable[str], valid: Iterable[str]) -> None:
+    """InputError "<section> has no field 'x'; nearest: ...; valid fields: ..." unless every name in `given` is
+    in `valid`. `section` is the full path the user reaches the fields by (config.model, config.data.phases.general).
+    One message for every config section, whether the config flags or a section's dataclass found the name."""
+    valid = sorted(valid)
+    unknown = sorted(set(given) - set(valid))
+    if not unknown:
+        return
+
+    def nearest(name: str) -> str:
+        return ", ".join(difflib.get_close_matches(name, valid, n=3)) or "no close match"
+
+    if len(unknown) == 1:
+        names, near = repr(unknown[0]), nearest(unknown[0])
+    else:
+        names, near = ", ".join(map(repr, unknown)), "; ".join(f"{n!r} -> {nearest(n)}" for n in unknown)
+    raise InputError(f"{section} has no field{'s' if len(unknown) > 1 else ''} {names}; nearest: {near}; "
+                     f"valid fields: {', '.join(valid)}")
 
 
 def _one_line(err: BaseException) -> str:

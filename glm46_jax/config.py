@@ -7,15 +7,14 @@ config files in `configs/` are converted once, at the edge (`model_config_from_d
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import logging
 import numbers
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from glm46_jax.cli import InputError
+from glm46_jax.cli import InputError, check_known_fields  # noqa: F401 - one place for every section's check
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "blockwise")
@@ -56,26 +55,6 @@ def check_choice(section: str, obj: Any, field: str, allowed: tuple[Any, ...], w
     value = getattr(obj, field)
     check_field(section, field, value, value in allowed, f"must be one of {allowed}" + (f" ({why})" if why else ""),
                 f"set --config.{section}.{field} to one of them")
-
-
-def check_known_fields(section: str, given: Iterable[str], valid: Iterable[str]) -> None:
-    """InputError "<section> has no field 'x'; nearest: ...; valid fields: ..." unless every name in `given` is
-    in `valid`. `section` is the full path the user reaches the fields by (config.model, config.data.phases.general).
-    One message for every config section, whether the config flags or a section's dataclass found the name."""
-    valid = sorted(valid)
-    unknown = sorted(set(given) - set(valid))
-    if not unknown:
-        return
-
-    def nearest(name: str) -> str:
-        return ", ".join(difflib.get_close_matches(name, valid, n=3)) or "no close match"
-
-    if len(unknown) == 1:
-        names, near = repr(unknown[0]), nearest(unknown[0])
-    else:
-        names, near = ", ".join(map(repr, unknown)), "; ".join(f"{n!r} -> {nearest(n)}" for n in unknown)
-    raise InputError(f"{section} has no field{'s' if len(unknown) > 1 else ''} {names}; nearest: {near}; "
-                     f"valid fields: {', '.join(valid)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,13 +102,14 @@ class ModelConfig:
     # xla | dot_product (jax.nn.dot_product_attention) | cudnn | blockwise (online softmax, memory linear in
     # sequence length, any backend: docs/long_context.md#blockwise-attention)
     attention_impl: str = "xla"
-    # blockwise block sizes: 128 was the fastest of 64..512 for fwd+bwd at 4K tokens on XLA:CPU (tiny heads)
+    # blockwise block sizes (tokens per block; the default's measurement: docs/performance.md#attention)
     attention_block_q: int = 128
     attention_block_kv: int = 128
     # 0 = exact dropless routing; > 0 = per-expert capacity ceil(cf * tokens * k / E).
     moe_capacity_factor: float = 0.0
     # Dropless: each expert's assignments are padded to a multiple of this many rows and run block by block, so
-    # only routed work is done (docs/sharding.md#dropless-grouped-experts); 128 measured best on a 2-core CPU.
+    # only routed work is done (docs/sharding.md#dropless-grouped-experts; the default's measurement:
+    # docs/performance.md#dropless-experts).
     moe_block_size: int = 128
     # Dropless: blocks per loop step, run as one batched matmul (each block against its own expert's weights):
     # larger steps keep both CPU cores busy, at most group - 1 empty blocks of padding per step.

@@ -4,11 +4,11 @@
     host.configure_cpu()          # first thing in a CPU entry point: before any jax device is touched
 
 The CLIs do this in `cli.main_guard` / `cli.run_absl`. The one setting: glibc malloc with one arena, no mmap and
-no trimming. XLA:CPU allocates an executable's temporaries as one buffer per call (511 MB for the issue-16
-anchor step) from its worker threads; glibc serves that from a fresh mmap in the thread's arena and unmaps it on
-free, so every call page-faults all of it again (~125k faults, ~0.18 s of kernel time per anchor step). Served
-from the main heap and kept, the same pages are reused. Set with `mallopt`, which must run before XLA's threads
-pick their arenas. No XLA flag is set: the one that measured faster, oneDNN dot fusion, computes wrong results.
+no trimming. XLA:CPU allocates an executable's temporaries as one large buffer per call from its worker threads;
+glibc serves that from a fresh mmap in the thread's arena and unmaps it on free, so every call page-faults all of
+it again. Served from the main heap and kept, the same pages are reused. Set with `mallopt`, which must run before
+XLA's threads pick their arenas. No XLA flag is set: the one that measured faster, oneDNN dot fusion, computes
+wrong results (measurements: docs/performance.md#cpu-host-settings).
 
 Only where jax will run on CPU (JAX_PLATFORMS says cpu, or no accelerator plugin is installed), and not at all
 with GLM46_JAX_CPU_TUNING=0. Malloc settings the user chose (GLIBC_TUNABLES with malloc tunables, MALLOC_*

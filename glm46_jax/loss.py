@@ -92,8 +92,8 @@ def _label_logit(logits, labels):
 
 # A custom VJP: autodiff of lse - sum(logits * one_hot) keeps a float one-hot [b, s, vocab] as a residual and
 # leaves d logits as an elementwise expression that XLA:CPU fuses into each consumer of the lm_head's backward,
-# recomputing exp in each, once in the transposed layout the weight gradient's dot reads (a strided pass):
-# ~12% of the issue-16 anchor step on CPU, for no FLOPs. Here the backward is the closed form
+# recomputing exp in each, once in the transposed layout the weight gradient's dot reads (a strided pass: a large
+# share of a CPU step for no FLOPs, docs/performance.md#cross-entropy-backward). Here the backward is the closed form
 #   d logits = softmax * (g_nll + g_lse) - one_hot * g_nll
 # computed once (an optimization barrier stops XLA from duplicating it into both consumers; a plain transposed
 # copy is far cheaper than a transposed exp), and the residuals are the logits (alive anyway), the labels and the

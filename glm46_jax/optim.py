@@ -358,12 +358,3 @@ def build_optimizer(cfg: OptimConfig, params: Any = None, *, sharded: bool = Tru
     if skip_nonfinite:
         tx = optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 2)
     return tx, schedule
-
-
-def describe(params, cfg: OptimConfig = OptimConfig()) -> dict[str, tuple[str, str]]:
-    """{param path: (group, dims or "-")} for logging / inspection."""
-    out = {}
-    for path, x in jax.tree_util.tree_leaves_with_path(params):
-        g = param_group(path, x, cfg)
-        out[jax.tree_util.keystr(path)] = (g, str(tuple(muon_dims(path, x))) if g == "muon" else "-")
-    return out

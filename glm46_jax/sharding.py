@@ -122,8 +122,7 @@ def validate_mesh(sizes: Mapping[str, int], cfg, global_batch: int | None = None
                              f"{fix}")
 
     if sizes.get("pipeline", 1) > 1:
-        from glm46_jax.model.pipeline import validate  # the schedule's own constraints live with the schedule
-        validate(cfg, sizes, global_batch)
+        _validate_pipeline(cfg, sizes, global_batch)
     if sizes.get("context", 1) > 1 and cfg.attention_impl != "blockwise":
         raise InputError(f"model.attention_impl={cfg.attention_impl!r}: a sequence split over mesh.context="
                          f"{sizes['context']} needs attention_impl='blockwise' (queries of one shard attend to the "
@@ -146,6 +145,32 @@ def validate_mesh(sizes: Mapping[str, int], cfg, global_batch: int | None = None
         axes = tuple(a for a in mesh_axes("batch") if a != "pipeline" or sizes.get(a, 1) > 1)
         need(global_batch, axes, "train.global_batch",
              f"the batch is split over the {' and '.join(axes)} axes; make it a multiple of their product")
+
+
+def pipeline_microbatches(cfg, stages: int) -> int:
+    """Micro-batches each batch shard streams through the pipeline's stages (0 in the config = one per stage)."""
+    return cfg.pipeline_microbatches or stages
+
+
+def _validate_pipeline(cfg, sizes: Mapping[str, int], global_batch: int | None) -> None:
+    """Clear errors for a pipeline schedule (model/pipeline.py) the model or batch cannot be run with."""
+    stages = sizes["pipeline"]
+    repeats, m = cfg.pipeline_repeats, pipeline_microbatches(cfg, stages)
+    where = f"mesh.pipeline={stages}"
+    if cfg.num_moe_layers < stages * repeats:
+        raise InputError(f"{where} x model.pipeline_repeats={repeats}: the model has {cfg.num_moe_layers} MoE "
+                         "layers (the pipelined stack), fewer than stages x repeats, so some stage would hold no "
+                         "layer; lower mesh.pipeline or model.pipeline_repeats")
+    if repeats > 1 and m < stages:
+        raise InputError(f"model.pipeline_microbatches={m}: the circular schedule (pipeline_repeats={repeats}) "
+                         f"needs at least as many micro-batches as stages ({where}); raise "
+                         "model.pipeline_microbatches")
+    if global_batch is not None:
+        rows = math.prod(sizes.get(a, 1) for a in ("data", "expert"))
+        if global_batch % rows or (global_batch // rows) % m:
+            raise InputError(f"train.global_batch={global_batch}: each of the data x expert = {rows} batch shards "
+                             f"streams its rows through the pipeline in model.pipeline_microbatches={m} "
+                             f"micro-batches; make the batch a multiple of {rows * m}")
 
 
 def check_context_split(seq_len: int, context: int, field: str) -> None:

@@ -28,8 +28,8 @@ from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
 from glm46_jax.cli import InputError
-from glm46_jax.generate import Generation, _replicated, _rows, check_request, filter_logits, pad_batch, sample
 from glm46_jax.model import GenerationCache
+from glm46_jax.sampling import Generation, as_rows, check_request, filter_logits, pad_batch, replicated, sample
 
 
 @struct.dataclass
@@ -84,14 +84,14 @@ def _prefill(graphdef: nnx.GraphDef, params, buffers, tokens: Int[Array, "b p"],
         b, p = tokens.shape
         model = nnx.merge(graphdef, params, buffers)
         cache = GenerationCache.zeros(model.cfg, b, max_len, mtp=True)
-        positions = _rows(jnp.maximum(jnp.arange(p, dtype=jnp.int32)[None] - start[:, None], 0))
-        hidden, cache = model.hidden_cached(_rows(tokens), positions, cache, 0, _rows(start))
-        first, first_logp = sample(jax.random.fold_in(key, 0), _replicated(model.head(hidden[:, -1:])[:, 0]),
+        positions = as_rows(jnp.maximum(jnp.arange(p, dtype=jnp.int32)[None] - start[:, None], 0))
+        hidden, cache = model.hidden_cached(as_rows(tokens), positions, cache, 0, as_rows(start))
+        first, first_logp = sample(jax.random.fold_in(key, 0), replicated(model.head(hidden[:, -1:])[:, 0]),
                                    temperature, top_k, top_p)
         # MTP row t reads hidden[t] and token t + 1; the last row's next token is the one just sampled.
         next_tokens = jnp.concatenate([tokens[:, 1:], first[:, None]], axis=1)
-        mtp_logits, cache = model.mtp_cached(hidden, _rows(next_tokens), positions, cache, 0, _rows(start))
-        draft, q = _draft(jax.random.fold_in(key, 1), _replicated(mtp_logits[:, -1]), temperature, top_k, top_p)
+        mtp_logits, cache = model.mtp_cached(hidden, as_rows(next_tokens), positions, cache, 0, as_rows(start))
+        draft, q = _draft(jax.random.fold_in(key, 1), replicated(mtp_logits[:, -1]), temperature, top_k, top_p)
         return first, first_logp, draft, q, cache
 
 
@@ -120,8 +120,8 @@ def _decode(graphdef: nnx.GraphDef, params, buffers, cache: GenerationCache, fir
             keys = jax.random.split(jax.random.fold_in(key, step), 3)
             pair = jnp.stack([last, draft], axis=1)
             positions = (slot - start)[:, None] + jnp.arange(2, dtype=jnp.int32)
-            hidden, cache = model.hidden_cached(_rows(pair), _rows(positions), cache, slot, _rows(start))
-            logits = _replicated(model.head(hidden))
+            hidden, cache = model.hidden_cached(as_rows(pair), as_rows(positions), cache, slot, as_rows(start))
+            logits = replicated(model.head(hidden))
             tok0, logp0, ok = verify(keys[0], logits[:, 0], draft, q, temperature, top_k, top_p)
             tok1, logp1 = sample(keys[1], logits[:, 1], temperature, top_k, top_p)
             # How many tokens this row emits: 2 with an accepted draft, 1 without, none once done; never past
@@ -134,8 +134,9 @@ def _decode(graphdef: nnx.GraphDef, params, buffers, cache: GenerationCache, fir
             hit = jnp.isin(tok0, stop) | ((count == 2) & jnp.isin(tok1, stop))
             # The MTP rows at slots n, n + 1 read the hidden states just computed and the tokens after them:
             # tok0 is the token at n + 1 whether or not the draft was accepted; tok1 matters only if it was.
-            mtp_logits, cache = model.mtp_cached(hidden, _rows(emitted), _rows(positions), cache, slot, _rows(start))
-            mtp_logits = _replicated(mtp_logits)
+            mtp_logits, cache = model.mtp_cached(hidden, as_rows(emitted), as_rows(positions), cache, slot,
+                                                 as_rows(start))
+            mtp_logits = replicated(mtp_logits)
             next_draft, next_q = _draft(keys[2], jnp.where((count == 2)[:, None], mtp_logits[:, 1], mtp_logits[:, 0]),
                                         temperature, top_k, top_p)
             live = ~done

@@ -79,12 +79,12 @@ def train(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
                                    best_metric=c.best_metric if c.keep_best else None)
     try:
         start_step, state, data_state = checkpoint.resume(ckpt, state, resume=c.resume,
-                                                          shared_data=recipe.global_rows)
+                                                          global_rows=recipe.global_rows)
         _check_not_finished(start_step, recipe.total_steps, ckpt)
         recipe.start(state, data_state)
         with trainer.Preemption(multi_process=jax.process_count() > 1) as stop:
             state, summary = trainer.fit(recipe, state, ckpt, cfg.train, run_dir=cfg.run_dir, start_step=start_step,
-                                         stop=stop, shared_data=recipe.global_rows)
+                                         stop=stop, global_rows=recipe.global_rows)
         if not stop.requested:  # e.g. LoRA: the merged weights
             summary["merged"] = recipe.finish(state, summary["steps"], cfg.run_dir, summary["tokens_seen"])
     finally:

@@ -126,8 +126,8 @@ class BadSteps:
     restores the last checkpoint's weights and optimizer (not its data: the bad batches are skipped).
     """
 
-    def __init__(self, cfg: TrainConfig, ckpt: checkpoint.Checkpointer, shared_data: bool, decay: float = 0.9):
-        self.cfg, self.ckpt, self.shared_data, self.decay = cfg, ckpt, shared_data, decay
+    def __init__(self, cfg: TrainConfig, ckpt: checkpoint.Checkpointer, global_rows: bool, decay: float = 0.9):
+        self.cfg, self.ckpt, self.global_rows, self.decay = cfg, ckpt, global_rows, decay
         self.mean, self.seen = 0.0, 0
         self.rollbacks: list[tuple[int, int]] = []  # (step, step rolled back to)
 
@@ -143,7 +143,7 @@ class BadSteps:
             self.seen += 1
         if self.cfg.bad_steps == "rollback" and in_a_row >= self.cfg.rollback_after:
             self.ckpt.wait()
-            restored = self.ckpt.restore_latest(state, shared_data=self.shared_data)
+            restored = self.ckpt.restore_latest(state, global_rows=self.global_rows)
             if restored is None:
                 raise FloatingPointError(f"step {step}: {in_a_row} bad steps in a row and no checkpoint in "
                                          f"{self.ckpt.directory} to roll back to")
@@ -280,11 +280,11 @@ class _Loop:
 
 
 def fit(recipe: Recipe, state: Any, ckpt: checkpoint.Checkpointer, cfg: TrainConfig, *, run_dir: str,
-        start_step: int, stop: Preemption, shared_data: bool = False) -> tuple[Any, dict[str, Any]]:
+        start_step: int, stop: Preemption, global_rows: bool = False) -> tuple[Any, dict[str, Any]]:
     """Train from `start_step` to `recipe.total_steps` (or a preemption); returns (state, summary)."""
     timer = StepTimer(recipe.mesh, start_step)
     loop = _Loop(recipe, cfg, ckpt, stop, Programs(recipe, timer), timer,
-                 BadSteps(cfg, ckpt, shared_data),
+                 BadSteps(cfg, ckpt, global_rows),
                  Progress(run_dir, cfg, total=recipe.total_steps, start_step=start_step, append=start_step > 1))
     logging.info("%d steps; MFU peak %.3g FLOP/s (%s)", recipe.total_steps, timer.peak or 0, timer.peak_source)
     step = start_step - 1

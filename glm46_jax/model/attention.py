@@ -232,14 +232,14 @@ def _xla_attention(q, k, v, mask, scale):
     # Query head h uses kv head h // g (HF repeat_kv), so heads split as (kv head, group member). The g query heads
     # of a kv head sit next to the query rows, [s, g]: both products are then plain batched matmuls over
     # (b, kv head) whose [s, t]-sized operands and results need no transposed copies (XLA:CPU otherwise
-    # transposes scores and probabilities: 1.035x on the issue-16 anchor step, docs/performance.md#attention).
+    # transposes scores and probabilities: docs/performance.md#attention).
     q = einops.rearrange(q, "b s (k g) c -> b k s g c", k=k.shape[2])  # (s, g) adjacent: XLA folds them
     k = einops.rearrange(k, "b t k c -> b k t c")
     v = einops.rearrange(v, "b t k c -> b k t c")
     scores = jnp.einsum("bksgc,bktc->bksgt", q, k) * scale
     # An additive mask, as HF's eager path: the add's backward needs no residual, whereas `where` keeps its
-    # predicate broadcast to every head's [s, t] for the backward (stacked over the scanned layers: ~12% of a
-    # CPU step at the issue-16 anchor shapes).
+    # predicate broadcast to every head's [s, t] for the backward, stacked over the scanned layers
+    # (docs/performance.md#attention).
     bias = jnp.where(mask, 0.0, jnp.finfo(jnp.float32).min)[:, :, :, None, :]  # [b, 1, s, 1, t]
     probs = jax.nn.softmax(scores.astype(jnp.float32) + bias, axis=-1).astype(q.dtype)
     out = jnp.einsum("bksgt,bktc->bksgc", probs, v)

@@ -7,8 +7,9 @@ Two layouts of the same sum_j w[t, j] * Expert_{idx[t, j]}(x[t]) (docs/sharding.
   `moe_block_group` blocks per step, each block a [block, d] x [d, f] matmul against its own expert's weights (one
   batched matmul per step), added into its tokens' fp32 output rows. The work is the routed work plus at most
   E_local x (block - 1) padding rows and group - 1 empty blocks, whatever the routing, and tokens routed to
-  another shard's experts cost nothing here; no activation buffer is sized by the worst-case row space. `jax.lax.ragged_dot` would express the same thing, but XLA lowers it to a dense product over every
-  group on CPU (and, by default, on NVIDIA GPUs): ~85x slower on this CPU for 64 experts. The loop's trip count is
+  another shard's experts cost nothing here; no activation buffer is sized by the worst-case row space.
+  `jax.lax.ragged_dot` would express the same thing, but XLA lowers it to a dense product over every group on CPU
+  (and, by default, on NVIDIA GPUs; docs/performance.md#dropless-experts). The loop's trip count is
   data-dependent (a while loop): XLA's cost analysis counts its body once, so tests count its FLOPs as
   body x trips (tests/test_experts.py).
 * **capacity** (`moe_capacity_factor > 0`; `grouped_experts`): an [E_local, C, d] buffer per expert, one batched
@@ -20,8 +21,7 @@ Both have hand-written VJPs (reverse mode only). What they save against plain au
   * the combine-weight gradient is taken in the hidden space, <dy @ W_down^T, h> per slot, so the expert output
     is not kept for the backward pass and no [n, k, d] product is formed;
   * the dropless backward recomputes each block's gate/up products instead of saving them: on CPU writing two
-    [rows, f] buffers costs more than the two matmuls (measured: fwd+bwd 1.37x a dense FFN of equal FLOPs
-    with recompute, 1.8x when saving them).
+    [rows, f] buffers costs more than the two matmuls (docs/performance.md#dropless-experts).
 Freshly written buffers are expensive on CPU (XLA:CPU page-faults every large buffer on each call). Inside a
 shard_map the cotangents get their primals' varying axes back (`sharding.cotangent_like`), as autodiff would
 give them.

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from glm46_jax.cli import InputError
 from glm46_jax.config import ModelConfig
 from glm46_jax.model.attention import SequenceMask
+from glm46_jax.sharding import pipeline_microbatches
 
 STACK = "moe_layers"  # the pipelined stack's name in the parameter tree
 
@@ -66,34 +66,9 @@ def layout(cfg: ModelConfig, stages: int) -> Layout:
     return Layout(cfg.num_moe_layers, stages, cfg.pipeline_repeats)
 
 
-def microbatches(cfg: ModelConfig, stages: int) -> int:
-    return cfg.pipeline_microbatches or stages
-
-
 def mesh_stages() -> int:
     """The `pipeline` size of the mesh in context (1 without one)."""
     return dict(jax.sharding.get_abstract_mesh().shape).get("pipeline", 1)
-
-
-def validate(cfg: ModelConfig, sizes: Mapping[str, int], global_batch: int | None) -> None:
-    """Clear errors for a pipeline the model or batch cannot be run with (called by `sharding.validate_mesh`)."""
-    stages = sizes["pipeline"]
-    repeats, m = cfg.pipeline_repeats, microbatches(cfg, stages)
-    where = f"mesh.pipeline={stages}"
-    if cfg.num_moe_layers < stages * repeats:
-        raise InputError(f"{where} x model.pipeline_repeats={repeats}: the model has {cfg.num_moe_layers} MoE "
-                         "layers (the pipelined stack), fewer than stages x repeats, so some stage would hold no "
-                         "layer; lower mesh.pipeline or model.pipeline_repeats")
-    if repeats > 1 and m < stages:
-        raise InputError(f"model.pipeline_microbatches={m}: the circular schedule (pipeline_repeats={repeats}) "
-                         f"needs at least as many micro-batches as stages ({where}); raise "
-                         "model.pipeline_microbatches")
-    if global_batch is not None:
-        rows = math.prod(sizes.get(a, 1) for a in ("data", "expert"))
-        if global_batch % rows or (global_batch // rows) % m:
-            raise InputError(f"train.global_batch={global_batch}: each of the data x expert = {rows} batch shards "
-                             f"streams its rows through the pipeline in model.pipeline_microbatches={m} "
-                             f"micro-batches; make the batch a multiple of {rows * m}")
 
 
 # --- the stored layout ----------------------------------------------------------------------------------
@@ -280,7 +255,7 @@ def run(state, x: Float[Array, "b s d"], cos: Array, sin: Array, mask, cfg: Mode
     """
     stages = mesh_stages()
     lay = layout(cfg, stages)
-    m = microbatches(cfg, stages)
+    m = pipeline_microbatches(cfg, stages)
     reps, chunk, last = lay.repeats, lay.per_chunk, stages - 1
     b = x.shape[0]
 

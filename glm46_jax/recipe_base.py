@@ -78,8 +78,7 @@ class RecipeBase:
         meta = {"model_config": dataclasses.asdict(self.model_for(segment)), "phase": segment.name,
                 "tokens_seen": tokens_seen, "tokenizer": self.tokenizer, "config": dict(self.cfg.source),
                 **self.extra_meta()}
-        if self.main.spec.init_from:
-            meta["init_from"] = self.main.spec.init_from
+        meta["init_from"] = self.main.spec.init_from
         if self.main.spec.lora is not None:
             meta["lora"] = self.main.spec.lora.to_dict()
         trained = [m for m in self.built.models.values() if m.spec.trained and m is not self.main]

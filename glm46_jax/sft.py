@@ -61,7 +61,7 @@ class FineTuning(LanguageModeling):
         return os.path.join(self.sft.root, "tokenizer.json")
 
     def extra_meta(self) -> dict[str, Any]:
-        return {"sft_method": self.sft.method, "init_from": self.cfg.checkpoint.init_from}
+        return {"sft_method": self.sft.method}
 
     def _loader_cfg(self, split: str, **kw: Any) -> sft_loader.SFTLoaderConfig:
         return sft_loader.SFTLoaderConfig(root=self.sft.root, split=split, seed=self.cfg.data.seed, pack=self.sft.pack,

@@ -193,7 +193,7 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
             out.update(extra)
         n_params = sum(x.size for m in new.values() for x in jax.tree.leaves(m.params))
         out.update(grad_norm=grad_norm, spike=spike.astype(jnp.int32),
-                   update_rms=optax.tree.norm(all_updates if len(new) > 1 else all_updates[main]) / jnp.sqrt(n_params))
+                   update_rms=optax.tree.norm(all_updates) / jnp.sqrt(n_params))
         if after is not None:
             out.update(skipped=1 - applied.astype(jnp.int32), nonfinite_in_a_row=after.notfinite_count,
                        nonfinite_total=after.total_notfinite)

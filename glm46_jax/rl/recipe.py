@@ -183,8 +183,7 @@ class GRPO(RecipeBase):
         return dict(segment.stats)
 
     def extra_meta(self) -> dict[str, Any]:
-        return {"rl_method": self.rl.method, "init_from": self.cfg.checkpoint.init_from,
-                "rollouts": self.rollouts_done}
+        return {"rl_method": self.rl.method, "rollouts": self.rollouts_done}
 
     def start(self, state: TrainState, data_state: Any | None = None) -> None:
         rl = self.rl

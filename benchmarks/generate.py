@@ -32,10 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm46_jax import generate as gen
-from glm46_jax import sharding
-from glm46_jax import speculative as spec
-from glm46_jax.bench import git_commit
+from glm46_jax.infer import generate as gen
+from glm46_jax.infer import speculative as spec
+from glm46_jax.parallel import sharding
+from glm46_jax.training.bench import git_commit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "RESULTS.md")
@@ -43,7 +43,7 @@ RESULTS = os.path.join(ROOT, "benchmarks", "RESULTS.md")
 
 def _model(args, mesh):
     if args.checkpoint:
-        from glm46_jax.checkpoint import load_params
+        from glm46_jax.training.checkpoint import load_params
         cfg, graphdef, params, buffers = load_params(args.checkpoint, mesh, dtype=args.dtype)
     else:
         from glm46_jax.config import get_preset
@@ -62,7 +62,7 @@ def _prompts(args, cfg, n):
         rng = np.random.default_rng(0)
         return [list(map(int, rng.integers(2, cfg.vocab_size, args.prompt_len))) for _ in range(n)]
     from glm46_jax.data import loader
-    from glm46_jax.eval import heldout_batches
+    from glm46_jax.infer.eval import heldout_batches
     rows = []
     domains = [d for d in loader.known_domains(args.corpus) if loader.has_split(args.corpus, d, "heldout")]
     streams = [heldout_batches(args.corpus, d, args.prompt_len, 8) for d in domains]

@@ -11,7 +11,7 @@ For each length: one jitted function computing the attention output and the q/k/
   peak = arguments + outputs + scratch;
 - tokens/s = batch * seq / the fastest of `--repeats` timed calls after one warm-up (the fastest, because the
   CPU box is shared), and GFLOP/s with causal attention's 6 * seq^2 * heads * head_dim FLOPs for forward +
-  backward (the convention of `glm46_jax.counting.flops_per_token`; the blockwise backward's recomputation of
+  backward (the convention of `glm46_jax.model.counting.flops_per_token`; the blockwise backward's recomputation of
   the scores is not counted).
 
 The dense path is only run where its compiled scratch fits `--max-run-gib` (its memory is still reported).
@@ -40,11 +40,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from glm46_jax import sharding  # noqa: E402
-from glm46_jax.bench import git_commit  # noqa: E402
 from glm46_jax.config import TINY  # noqa: E402
 from glm46_jax.model.attention import _xla_attention, attention_mask, context_parallel_attention  # noqa: E402
 from glm46_jax.model.blockwise_attention import blockwise_attention  # noqa: E402
+from glm46_jax.parallel import sharding  # noqa: E402
+from glm46_jax.training.bench import git_commit  # noqa: E402
 
 GIB = 2 ** 30
 

@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/rl.py --init-from runs/sft_rl_addition --data data/rl_addition --rollouts 8
     PYTHONPATH=. python benchmarks/rl.py --preset small --group-size 16 --max-new-tokens 256 --out results.json
 
-Builds the GRPO recipe (`glm46_jax.rl.recipe`) from configs/grpo.py:tiny with the given overrides, compiles
+Builds the GRPO recipe (`glm46_jax.recipes.grpo.recipe`) from configs/grpo.py:tiny with the given overrides, compiles
 everything first (one warm-up rollout and one update per minibatch shape), then times `--rollouts` RL steps:
 each is one rollout (`prompts_per_step` x `group_size` samples from the generator, rewards, training rows) and
 `minibatches` optimizer steps on it. Rollout tokens/s counts generated tokens; training tokens/s counts the
@@ -29,8 +29,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from data_prep import rl_tasks  # noqa: E402
-from glm46_jax import run_config, sharding  # noqa: E402
-from glm46_jax.rl import recipe as rl_recipe  # noqa: E402
+from glm46_jax import run_config
+from glm46_jax.parallel import sharding  # noqa: E402
+from glm46_jax.recipes.grpo import recipe as rl_recipe  # noqa: E402
 from glm46_jax.run_config import config_file  # noqa: E402
 
 

@@ -28,12 +28,12 @@ import dataclasses
 import ml_collections
 from ml_collections import config_dict
 
-from glm46_jax.balancing import BalanceConfig
 from glm46_jax.cli import InputError
 from glm46_jax.config import get_preset
-from glm46_jax.loss import LossConfig
-from glm46_jax.optim import OptimConfig
 from glm46_jax.run_config import CheckpointConfig, DataConfig, DistributedConfig, MeshConfig, TrainConfig
+from glm46_jax.training.balancing import BalanceConfig
+from glm46_jax.training.loss import LossConfig
+from glm46_jax.training.optim import OptimConfig
 
 T, B = 10**12, 10**9
 
@@ -147,14 +147,14 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # ConfigDicts may sort their keys (and JSON dumps do): the order is stated, not implied.
     c.data.phase_order = tuple(p["data"]["phases"])
 
-    # Multi-process start-up (glm46_jax/distributed.py): coordinator/num_processes/process_id all set =
+    # Multi-process start-up (glm46_jax/parallel/distributed.py): coordinator/num_processes/process_id all set =
     # explicit (launch/local_multiprocess.sh sets them); none set = Slurm's srun environment if present,
     # else one process. mode="off" forces one process. A process silent for heartbeat_timeout_s makes the
     # others abort (non-zero exit) instead of hanging.
     c.distributed = dataclasses.asdict(DistributedConfig())
 
-    # Every OptimConfig field (glm46_jax/optim.py): Muon for hidden matrices, AdamW for the rest. decay_steps 0:
-    # the schedule spans the run, however many steps that is.
+    # Every OptimConfig field (glm46_jax/training/optim.py): Muon for hidden matrices, AdamW for the rest.
+    # decay_steps 0: the schedule spans the run, however many steps that is.
     c.optim = dataclasses.asdict(OptimConfig(decay_steps=0))
     c.optim.update(p.get("optim", {}))
 

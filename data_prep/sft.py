@@ -5,7 +5,7 @@
     meta = write_sft_dataset(out, tok_info, chats, options)         # <out>/<split>/*.npy + metadata.json
 
 Each line is {"messages": [...], "tools": [...] (optional), "enable_thinking": bool (optional)}; other keys are
-ignored. Messages go through `glm46_jax.chat` (its parsing, its renderer, its assistant mask). Which assistant
+ignored. Messages go through `glm46_jax.infer.chat` (its parsing, its renderer, its assistant mask). Which assistant
 turns a sample trains, and how an over-long sample is cut, is docs/sft.md#samples-per-conversation and
 docs/sft.md#truncation. Nothing here imports jax.
 """
@@ -26,8 +26,9 @@ from tokenizers import Tokenizer
 
 from data_prep import shards
 from data_prep.tokenizer import TokenizerInfo
-from glm46_jax import atomic, chat
+from glm46_jax import atomic
 from glm46_jax.cli import InputError
+from glm46_jax.infer import chat
 
 METADATA_VERSION = 1
 SPLITS = shards.SPLITS

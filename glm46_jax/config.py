@@ -14,47 +14,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from glm46_jax.cli import InputError, check_known_fields  # noqa: F401 - one place for every section's check
+from glm46_jax.cli import InputError, check_choice, check_field, check_known_fields, check_range
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "blockwise")
 _REMAT = ("none", "full", "save_matmuls")
 _MOE_DISPATCH = ("allgather", "alltoall")
-
-
-# --- checking a config section's values --------------------------------------------------------
-
-def check_field(section: str, field: str, value: Any, ok: bool, why: str, fix: str) -> None:
-    """InputError "<section>.<field>=<value>: <why>; <fix>" unless `ok`. `section` is how the user
-    reaches the field on the command line (--config.<section>.<field>)."""
-    if not ok:
-        raise InputError(f"{section}.{field}={value!r}: {why}; {fix}")
-
-
-def check_range(section: str, obj: Any, field: str, *, gt: float | None = None, ge: float | None = None,
-                lt: float | None = None, le: float | None = None, meaning: str = "") -> None:
-    """`obj.<field>` is a number within the given bounds (a NaN never is)."""
-    value = getattr(obj, field)
-    low, high = (gt if gt is not None else ge), (lt if lt is not None else le)
-    if low is not None and high is not None:
-        bounds = f"in {'(' if gt is not None else '['}{low}, {high}{')' if lt is not None else ']'}"
-    elif low is not None:
-        bounds = f"{'>' if gt is not None else '>='} {low}"
-    else:
-        bounds = f"{'<' if lt is not None else '<='} {high}"
-    why = f"must be {bounds}" + (f" ({meaning})" if meaning else "")
-    fix = f"set --config.{section}.{field} to a value {bounds}"
-    # bool is an int to Python; a flag in a numeric field is a mistake all the same.
-    check_field(section, field, value, isinstance(value, numbers.Real) and not isinstance(value, bool), why, fix)
-    ok = ((gt is None or value > gt) and (ge is None or value >= ge)
-          and (lt is None or value < lt) and (le is None or value <= le))
-    check_field(section, field, value, ok, why, fix)
-
-
-def check_choice(section: str, obj: Any, field: str, allowed: tuple[Any, ...], why: str = "") -> None:
-    value = getattr(obj, field)
-    check_field(section, field, value, value in allowed, f"must be one of {allowed}" + (f" ({why})" if why else ""),
-                f"set --config.{section}.{field} to one of them")
 
 
 @dataclasses.dataclass(frozen=True)

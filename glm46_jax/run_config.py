@@ -22,16 +22,15 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from glm46_jax.balancing import BalanceConfig
-from glm46_jax.cli import InputError
-from glm46_jax.config import (ModelConfig, check_choice, check_field, check_known_fields, check_range,
-                              model_config_from_dict)
+from glm46_jax.cli import InputError, check_choice, check_field, check_known_fields, check_range
+from glm46_jax.config import ModelConfig, model_config_from_dict
 from glm46_jax.data import curriculum as curriculum_lib
 from glm46_jax.data.curriculum import Curriculum
-from glm46_jax.lora import LoRAConfig
-from glm46_jax.loss import LossConfig
-from glm46_jax.optim import OptimConfig
-from glm46_jax.sharding import MESH_AXES
+from glm46_jax.model.lora import LoRAConfig
+from glm46_jax.parallel.sharding import MESH_AXES
+from glm46_jax.training.balancing import BalanceConfig
+from glm46_jax.training.loss import LossConfig
+from glm46_jax.training.optim import OptimConfig
 
 
 def _at_least(section: str, obj: Any, minimum: float, *fields: str, meaning: str = "") -> None:
@@ -343,9 +342,10 @@ def _check_grpo(cfg: RunConfig) -> None:
 
 # Every recipe `python -m glm46_jax.train` runs, by `config.recipe`: the one table the driver looks them up in.
 RECIPES: dict[str, RecipeEntry] = {
-    "pretrain": RecipeEntry("glm46_jax.pretrain:build", lambda c: total_steps(c.data, c.train)),
-    "sft": RecipeEntry("glm46_jax.sft:build", lambda c: sft_steps(c.sft, c.train.steps), "sft", _check_sft),
-    "grpo": RecipeEntry("glm46_jax.rl.recipe:build", lambda c: rl_steps(c.rl, c.train.steps), "rl", _check_grpo),
+    "pretrain": RecipeEntry("glm46_jax.recipes.pretrain:build", lambda c: total_steps(c.data, c.train)),
+    "sft": RecipeEntry("glm46_jax.recipes.sft:build", lambda c: sft_steps(c.sft, c.train.steps), "sft", _check_sft),
+    "grpo": RecipeEntry("glm46_jax.recipes.grpo.recipe:build", lambda c: rl_steps(c.rl, c.train.steps), "rl",
+                        _check_grpo),
 }
 
 

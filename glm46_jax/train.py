@@ -36,10 +36,12 @@ import numpy as np
 from absl import flags, logging
 from ml_collections import config_flags
 
-from glm46_jax import atomic, checkpoint, cli, distributed, run_config, trainer
+from glm46_jax import atomic, cli, run_config
 from glm46_jax.cli import InputError
+from glm46_jax.parallel import distributed
 from glm46_jax.run_config import RunConfig
-from glm46_jax.train_step import TrainState
+from glm46_jax.training import checkpoint, trainer
+from glm46_jax.training.step import TrainState
 
 
 def _run_tokenizer(run_dir: str, source: str | None, is_main: bool) -> dict[str, str] | None:

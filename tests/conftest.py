@@ -15,7 +15,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import pytest
 
-from glm46_jax import sharding
+from glm46_jax.parallel import sharding
 
 # The test processes keep no persistent XLA cache (it only adds work that can fail: serialising and reading back
 # executables); the training subprocesses some tests start share one (`JAX_COMPILATION_CACHE_DIR=

@@ -7,10 +7,10 @@ import os
 import jax
 import pytest
 
-from glm46_jax.bench import _table, bench
+from glm46_jax.training.bench import _table, bench
 from glm46_jax.cli import InputError
 from glm46_jax.config import get_preset
-from glm46_jax.counting import flops_per_token
+from glm46_jax.model.counting import flops_per_token
 from glm46_jax.run_config import from_config_dict
 
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "pretrain.py")

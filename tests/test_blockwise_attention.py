@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm46_jax import sharding
+from glm46_jax.parallel import sharding
 from glm46_jax.cli import InputError
 from glm46_jax.config import TINY, ModelConfig
 from glm46_jax.model import abstract_model, apply, init_model

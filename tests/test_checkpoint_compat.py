@@ -24,9 +24,11 @@ from conftest import FIXTURES
 from flax import nnx
 from safetensors.numpy import load_file
 
-from glm46_jax import checkpoint, convert, sharding
+from glm46_jax.training import checkpoint
+from glm46_jax.interop import convert
+from glm46_jax.parallel import sharding
 from glm46_jax.config import model_config_from_dict
-from glm46_jax.hf import load_hf, save_hf
+from glm46_jax.interop.hf import load_hf, save_hf
 from glm46_jax.model import apply
 from glm46_jax.run_config import from_config_dict
 from glm46_jax.train import train
@@ -188,7 +190,7 @@ def _read_json(step_dir: str, item: str):
 @pytest.fixture(scope="module")
 def saved():
     """The fixture step as plain arrays and JSON, read with Orbax's StandardCheckpointer and `json`, not through
-    glm46_jax.checkpoint."""
+    glm46_jax.training.checkpoint."""
     step_dir = os.path.join(FIXTURE, "checkpoints", str(STEPS))
     with ocp.StandardCheckpointer() as reader:
         model, optimizer = (reader.restore(os.path.join(step_dir, item)) for item in ("model", "optimizer"))
@@ -219,7 +221,7 @@ def test_fixture_is_a_complete_training_checkpoint(saved):
 def test_restores_onto_a_fresh_state(run_copy, sample_corpus, saved):
     """restore_latest onto a newly built state of the same config: the step's weights, optimizer state (Muon and
     AdamW moments, counts), data-iterator state and meta, exactly as on disk."""
-    from glm46_jax import pretrain
+    from glm46_jax.recipes import pretrain
 
     cfg = from_config_dict(fixture_config(run_copy, sample_corpus, STEPS))
     _, fresh = pretrain.build(cfg, jax.devices()[:1])
@@ -287,7 +289,7 @@ def _hf_tensors(hf_dir: str) -> dict[str, np.ndarray]:
 
 def _released_layout(model: dict, cfg) -> dict[str, np.ndarray]:
     """The saved weights under GLM-4.5's released names and [out, in] layout
-    (docs/architecture.md#hf-checkpoint-layout), spelled out here independently of glm46_jax.hf: the MTP layer is
+    (docs/architecture.md#hf-checkpoint-layout), spelled out here independently of glm46_jax.interop.hf: the MTP layer is
     layer num_hidden_layers, with copies of the embedding and head."""
     p, b = model["params"], model["buffers"]
     d, kd, L = cfg.hidden_size, cfg.first_k_dense_replace, cfg.num_hidden_layers

@@ -7,10 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from glm46_jax.cli import InputError
-from glm46_jax.config import (GLM45, GLM45_AIR, GLM46, PRESETS, TINY, ModelConfig, check_known_fields,
-                              from_hf_config, get_preset, model_config_from_dict, to_hf_config)
-from glm46_jax.counting import attention_params, dense_layer_params, moe_layer_params, param_counts
+from glm46_jax.cli import InputError, check_known_fields
+from glm46_jax.config import (GLM45, GLM45_AIR, GLM46, PRESETS, TINY, ModelConfig, from_hf_config, get_preset,
+                              model_config_from_dict, to_hf_config)
+from glm46_jax.model.counting import attention_params, dense_layer_params, moe_layer_params, param_counts
 from glm46_jax.model import abstract_model
 
 
@@ -174,9 +174,9 @@ def test_every_preset_and_default_validates():
     import importlib.util
     import os
 
-    from glm46_jax.balancing import BalanceConfig
-    from glm46_jax.loss import LossConfig
-    from glm46_jax.optim import OptimConfig
+    from glm46_jax.training.balancing import BalanceConfig
+    from glm46_jax.training.loss import LossConfig
+    from glm46_jax.training.optim import OptimConfig
 
     for cfg in PRESETS.values():
         assert dataclasses.replace(cfg) == cfg

@@ -16,10 +16,12 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from conftest import FIXTURES
-from glm46_jax import checkpoint, convert, hf, sharding
+from glm46_jax.training import checkpoint
+from glm46_jax.interop import convert, hf
+from glm46_jax.parallel import sharding
 from glm46_jax.cli import InputError
 from glm46_jax.config import from_hf_config, get_preset
-from glm46_jax.hf import load_hf
+from glm46_jax.interop.hf import load_hf
 from glm46_jax.model import apply, init_model
 from test_hf_parity import without_mtp
 from test_score import assert_one_line_error, run_cli

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from conftest import float64_nll
 
-from glm46_jax import checkpoint, sharding
-from glm46_jax import eval as eval_cli
+from glm46_jax.training import checkpoint
+from glm46_jax.parallel import sharding
+from glm46_jax.infer import eval as eval_cli
 from glm46_jax.cli import InputError
 from glm46_jax.config import TINY
 from glm46_jax.model import init_model

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from conftest import FIXTURES, randomize_params
 
-from glm46_jax import generate as gen
-from glm46_jax import sharding
+from glm46_jax.infer import generate as gen
+from glm46_jax.parallel import sharding
 from glm46_jax.cli import InputError
 from glm46_jax.config import TINY
-from glm46_jax.hf import load_hf
+from glm46_jax.interop.hf import load_hf
 from glm46_jax.model import abstract_model, apply, apply_cached, init_model
 
 CFG = dataclasses.replace(TINY, vocab_size=128, dtype="float32")
@@ -248,7 +248,7 @@ def chat_hf_dir(tiny, tmp_path_factory):
     """The tiny model as an HF directory with the chat fixture's tokenizer (GLM's chat tokens at ids 2-18)."""
     import shutil
 
-    from glm46_jax.hf import save_hf
+    from glm46_jax.interop.hf import save_hf
 
     d = str(tmp_path_factory.mktemp("chat_hf"))
     save_hf(d, dataclasses.replace(CFG, vocab_size=512), *_padded_vocab(tiny, 512)[1:], dtype="float32")
@@ -273,7 +273,7 @@ def _padded_vocab(model, vocab):
 def test_chat_cli_renders_the_template_and_stops_at_turn_ends(chat_hf_dir, monkeypatch):
     from tokenizers import Tokenizer
 
-    from glm46_jax import chat
+    from glm46_jax.infer import chat
 
     tok = Tokenizer.from_file(os.path.join(chat_hf_dir, "tokenizer.json"))
     assert sorted(chat.stop_token_ids(tok)) == [1, 5, 7]  # <|endoftext|>, <|user|>, <|observation|> here

@@ -21,13 +21,14 @@ from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
 from data_prep.tokenizer import train_bpe
-from glm46_jax import harness, sharding
+from glm46_jax.infer import harness
+from glm46_jax.parallel import sharding
 from glm46_jax.cli import InputError
 from glm46_jax.config import TINY
-from glm46_jax.generate import generate
-from glm46_jax.hf import save_hf
+from glm46_jax.infer.generate import generate
+from glm46_jax.interop.hf import save_hf
 from glm46_jax.model import abstract_model, apply, init_model
-from glm46_jax.score import _Tokenizer, token_logprobs
+from glm46_jax.infer.score import _Tokenizer, token_logprobs
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 CFG = TINY  # 512 ids (the trained tokenizer uses at most 400 of them), eos 1, pad 0

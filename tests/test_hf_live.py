@@ -16,9 +16,9 @@ from safetensors import safe_open
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from glm46_jax import sharding  # noqa: E402
+from glm46_jax.parallel import sharding  # noqa: E402
 from glm46_jax.config import TINY, to_hf_config  # noqa: E402
-from glm46_jax.hf import load_hf, save_hf  # noqa: E402
+from glm46_jax.interop.hf import load_hf, save_hf  # noqa: E402
 from glm46_jax.model import apply, init_model  # noqa: E402
 
 pytestmark = pytest.mark.live_hf

@@ -16,9 +16,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import FIXTURES
-from glm46_jax import sharding
+from glm46_jax.parallel import sharding
 from glm46_jax.cli import InputError
-from glm46_jax.hf import load_hf, read_config, save_hf
+from glm46_jax.interop.hf import load_hf, read_config, save_hf
 from glm46_jax.model import apply
 
 CASES = ["hf_full", "hf_air", "hf_mqa"]

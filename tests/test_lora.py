@@ -1,4 +1,4 @@
-"""LoRA / DoRA adapters (glm46_jax.lora) and PEFT adapter directories (glm46_jax.peft).
+"""LoRA / DoRA adapters (glm46_jax.model.lora) and PEFT adapter directories (glm46_jax.interop.peft).
 
 References: the base model's own logits (B = 0), float64 NumPy merges, hand-chained gradients of the merged
 model, PeftModel logits from transformers + peft (tests/fixtures/make_peft_fixtures.py), a one-device run."""
@@ -17,13 +17,13 @@ from conftest import FIXTURES
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from glm46_jax import sharding
+from glm46_jax.parallel import sharding
 from glm46_jax.cli import InputError
-from glm46_jax.hf import load_hf
-from glm46_jax.lora import LoRAConfig, add_adapters, combine, merge_adapters, partition
-from glm46_jax.loss import token_nll
+from glm46_jax.interop.hf import load_hf
+from glm46_jax.model.lora import LoRAConfig, add_adapters, combine, merge_adapters, partition
+from glm46_jax.training.loss import token_nll
 from glm46_jax.model import apply
-from glm46_jax.peft import load_peft, save_peft
+from glm46_jax.interop.peft import load_peft, save_peft
 
 HF_FULL = os.path.join(FIXTURES, "hf_full")
 

@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm46_jax import sharding
-from glm46_jax.balancing import BalanceConfig, rate_at
+from glm46_jax.parallel import sharding
+from glm46_jax.training.balancing import BalanceConfig, rate_at
 from glm46_jax.cli import InputError
 from glm46_jax.config import get_preset
-from glm46_jax.loss import (
+from glm46_jax.training.loss import (
     LossConfig,
     batch_norms,
     cross_entropy,

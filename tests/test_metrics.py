@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from glm46_jax import metrics
+from glm46_jax.training import metrics
 
 
 @dataclasses.dataclass

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from glm46_jax import sharding
+from glm46_jax.parallel import sharding
 from glm46_jax.config import TINY
 from glm46_jax.model import abstract_model, apply, init_model
 from glm46_jax.model.experts import grouped_experts

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from glm46_jax import checkpoint, distributed, sharding
+from glm46_jax.training import checkpoint
+from glm46_jax.parallel import distributed, sharding
 from glm46_jax.cli import InputError
 from glm46_jax.run_config import DistributedConfig
 
@@ -241,7 +242,7 @@ def test_two_processes_join_from_faked_slurm_variables(tmp_path):
     join one job, see 8 devices and sum across each other."""
     port = _free_port()
     script = ("import jax, numpy as np\n"
-              "from glm46_jax import distributed\n"
+              "from glm46_jax.parallel import distributed\n"
               "from glm46_jax.run_config import DistributedConfig\n"
               "c = distributed.initialize(DistributedConfig(heartbeat_timeout_s=10))\n"
               "mesh = jax.make_mesh((8,), ('d',))\n"

@@ -9,9 +9,9 @@ import numpy as np
 import optax
 import pytest
 
-from glm46_jax import sharding
+from glm46_jax.parallel import sharding
 from glm46_jax.cli import InputError
-from glm46_jax.optim import (NS_COEFFS, OptimConfig, build_optimizer, make_schedule, param_labels)
+from glm46_jax.training.optim import (NS_COEFFS, OptimConfig, build_optimizer, make_schedule, param_labels)
 
 B1 = 0.95  # Muon momentum
 

@@ -13,13 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm46_jax import checkpoint, run_config, sharding
+from glm46_jax.training import checkpoint
+from glm46_jax import run_config
+from glm46_jax.parallel import sharding
 from glm46_jax.cli import InputError
 from glm46_jax.config import get_preset
-from glm46_jax.loss import loss_fn
+from glm46_jax.training.loss import loss_fn
 from glm46_jax.model import GenerationCache, apply, apply_cached, init_model, pipeline
-from glm46_jax.optim import OptimConfig, build_optimizer
-from glm46_jax.train_step import controls, init_state, make_train_step
+from glm46_jax.training.optim import OptimConfig, build_optimizer
+from glm46_jax.training.step import controls, init_state, make_train_step
 
 TINY = get_preset("tiny")
 

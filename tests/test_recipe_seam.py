@@ -14,15 +14,17 @@ import jax
 import numpy as np
 import pytest
 
-from glm46_jax import models, run_config, sharding, train
+from glm46_jax.training import models
+from glm46_jax import run_config, train
+from glm46_jax.parallel import sharding
 from glm46_jax.config import TINY
 from glm46_jax.data import loader
-from glm46_jax.loss import batch_norms, loss_fn
+from glm46_jax.training.loss import batch_norms, loss_fn
 from glm46_jax.model import init_model
-from glm46_jax.optim import OptimConfig, build_optimizer
-from glm46_jax.recipe_base import RecipeBase
-from glm46_jax.train_step import StepConfig, controls, init_state, make_step, make_train_step
-from glm46_jax.trainer import StepInput
+from glm46_jax.training.optim import OptimConfig, build_optimizer
+from glm46_jax.recipes.base import RecipeBase
+from glm46_jax.training.step import StepConfig, controls, init_state, make_step, make_train_step
+from glm46_jax.training.trainer import StepInput
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 POLICY = dataclasses.replace(TINY, num_hidden_layers=2, num_nextn_predict_layers=0)

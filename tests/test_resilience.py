@@ -18,9 +18,10 @@ import jax
 import numpy as np
 import pytest
 
-from glm46_jax import checkpoint, sharding
+from glm46_jax.training import checkpoint
+from glm46_jax.parallel import sharding
 from glm46_jax.cli import InputError
-from glm46_jax.pretrain import build
+from glm46_jax.recipes.pretrain import build
 from glm46_jax.run_config import from_config_dict
 from glm46_jax.train import train
 
@@ -299,7 +300,7 @@ def test_keeps_the_last_k_and_optionally_the_best(tmp_path, best):
     import optax
     from flax import nnx
 
-    from glm46_jax.train_step import TrainState
+    from glm46_jax.training.step import TrainState
 
     params = nnx.State({"w": nnx.Param(jax.numpy.ones(3))})
     state = TrainState(step=jax.numpy.int32(0), params=params, buffers=nnx.State({}),

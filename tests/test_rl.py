@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from conftest import randomize_params
 
-from glm46_jax import sharding
+from glm46_jax.parallel import sharding
 from glm46_jax.config import TINY
 from glm46_jax.model import apply, init_model
-from glm46_jax.rl import objective, rewards, sandbox
-from glm46_jax.rl.rollout import Sampling, sample_groups, training_rows
-from glm46_jax.rl.step import StepSettings, completion_logprobs, grpo_loss
-from glm46_jax.score import token_logprobs
+from glm46_jax.recipes.grpo import objective, rewards, sandbox
+from glm46_jax.recipes.grpo.rollout import Sampling, sample_groups, training_rows
+from glm46_jax.recipes.grpo.step import StepSettings, completion_logprobs, grpo_loss
+from glm46_jax.infer.score import token_logprobs
 
 CFG = dataclasses.replace(TINY, vocab_size=128, dtype="float32")
 RL_DEMO_ROLLOUTS = 150  # configs/grpo.py:tiny's

@@ -101,11 +101,11 @@ def test_each_config_section_lists_its_dataclass_fields():
     """A field added to a section's dataclass appears in the config files (they take their defaults from the
     dataclass), so it can be overridden with --config.<section>.<field>; and the files have no field the
     dataclass lacks."""
-    from glm46_jax.balancing import BalanceConfig
+    from glm46_jax.training.balancing import BalanceConfig
     from glm46_jax.config import ModelConfig
-    from glm46_jax.lora import LoRAConfig
-    from glm46_jax.loss import LossConfig
-    from glm46_jax.optim import OptimConfig
+    from glm46_jax.model.lora import LoRAConfig
+    from glm46_jax.training.loss import LossConfig
+    from glm46_jax.training.optim import OptimConfig
 
     def fields(cls, *drop: str) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)} - set(drop)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES
-from glm46_jax import score
+from glm46_jax.infer import score
 from glm46_jax.cli import InputError
 from test_hf_parity import without_mtp
 

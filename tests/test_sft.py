@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 from conftest import float64_nll
 
-from glm46_jax import checkpoint, cli, sharding
+from glm46_jax.training import checkpoint
+from glm46_jax import cli
+from glm46_jax.parallel import sharding
 from glm46_jax.cli import InputError
 from glm46_jax.config import TINY
 from glm46_jax.data import sft_loader
@@ -182,7 +184,7 @@ def test_config_mistakes_are_one_line(tmp_path, base, chats, overrides, field):
 def test_lora_run_exports_a_peft_directory_that_imports_back_exactly(tmp_path, base, chats, mesh1):
     """convert lora-to-peft on a run with attention adapters (what PEFT can express for GLM-4.5 in transformers
     5, docs/lora.md#what-peft-can-express); peft.load_peft on the base gives back the run's adapters bit for bit."""
-    from glm46_jax import convert, peft
+    from glm46_jax.interop import convert, peft
 
     run_dir = str(tmp_path / "attn")
     overrides = {**_overrides(run_dir, base, chats, steps=2), "lora.targets": ("q_proj", "k_proj", "v_proj", "o_proj")}
@@ -209,8 +211,8 @@ def test_after_sft_generation_ends_its_turn_at_user(tmp_path, base, chats):
     ends an assistant turn, which the loss mask trains), as the template says a turn ends."""
     from tokenizers import Tokenizer
 
-    from glm46_jax import chat
-    from glm46_jax import generate as gen
+    from glm46_jax.infer import chat
+    from glm46_jax.infer import generate as gen
 
     run_dir = str(tmp_path / "turns")
     overrides = {**_overrides(run_dir, base, chats, steps=60, method="full"), "optim.lr": 3e-3,

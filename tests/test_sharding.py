@@ -13,10 +13,10 @@ import pytest
 from flax import nnx
 
 from conftest import FIXTURES
-from glm46_jax import sharding
+from glm46_jax.parallel import sharding
 from glm46_jax.cli import InputError
 from glm46_jax.config import TINY
-from glm46_jax.hf import load_hf, read_config
+from glm46_jax.interop.hf import load_hf, read_config
 from glm46_jax.model import abstract_model, apply, init_model
 from glm46_jax.model.moe import dispatch
 
@@ -253,7 +253,7 @@ def test_one_kv_head_train_step_on_tensor_2_matches_one_device(mesh1):
     import optax
 
     from glm46_jax.model.transformer import GenerationCache
-    from glm46_jax.train_step import controls, init_state, make_train_step
+    from glm46_jax.training.step import controls, init_state, make_train_step
 
     d = os.path.join(FIXTURES, "hf_mqa")
     x = np.random.default_rng(0).integers(0, 128, (4, 17)).astype(np.int32)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import HAS_PROC_MAPS, _drop_executables, memory_mappings
 
-from glm46_jax import sharding
+from glm46_jax.parallel import sharding
 from glm46_jax.config import TINY
 from glm46_jax.model import apply, init_model
 

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from conftest import float64_nll
 
-from glm46_jax import checkpoint, sharding
-from glm46_jax.optim import OptimConfig, lr_schedule
+from glm46_jax.training import checkpoint
+from glm46_jax.parallel import sharding
+from glm46_jax.training.optim import OptimConfig, lr_schedule
 from glm46_jax.run_config import from_config_dict
 from glm46_jax.train import train
 
@@ -114,7 +115,7 @@ def test_score_checkpoint_text_uses_the_corpus_tokenizer(run, capsys):
     total equals a log-softmax of the same checkpoint's logits computed here in float64."""
     from tokenizers import Tokenizer
 
-    from glm46_jax import score
+    from glm46_jax.infer import score
     from glm46_jax.model import apply
 
     config, _, summary = run

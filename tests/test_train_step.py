@@ -8,12 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm46_jax import balancing, sharding
+from glm46_jax.training import balancing
+from glm46_jax.parallel import sharding
 from glm46_jax.config import get_preset
-from glm46_jax.loss import loss_fn
+from glm46_jax.training.loss import loss_fn
 from glm46_jax.model import init_model
-from glm46_jax.optim import OptimConfig, build_optimizer
-from glm46_jax.train_step import StepConfig, controls, init_state, make_train_step
+from glm46_jax.training.optim import OptimConfig, build_optimizer
+from glm46_jax.training.step import StepConfig, controls, init_state, make_train_step
 
 CFG = get_preset("tiny")
 OPTIM = OptimConfig(lr=1e-2, end_lr=1e-3, warmup_steps=0, decay_steps=100)
@@ -238,7 +239,7 @@ def test_frozen_weights_are_not_trained_and_the_rest_steps_as_in_the_full_model(
     import optax
     from flax import nnx
 
-    from glm46_jax.train_step import FrozenModel, make_eval_step
+    from glm46_jax.training.step import FrozenModel, make_eval_step
 
     graphdef, params, buffers = init_model(CFG, mesh1, 0)
     trained = lambda path, _: "self_attn" in jax.tree_util.keystr(path)  # noqa: E731

@@ -32,8 +32,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from glm46_jax import sharding
 from glm46_jax.cli import InputError
+from glm46_jax.parallel import sharding
 
 PackMode = Literal["concat", "best_fit"]
 PACK_MODES: tuple[str, ...] = ("concat", "best_fit")
@@ -309,7 +309,9 @@ def to_context_layout(batch: Mapping[str, np.ndarray], context: int) -> dict[str
     """
     if context == 1:
         return dict(batch)
-    from glm46_jax.loss import mtp_labels  # the one definition of MTP labels (loss pulls in the model: imported late)
+    from glm46_jax.training.loss import (
+        mtp_labels,  # the one definition of MTP labels (loss pulls in the model: imported late)
+    )
 
     inputs = np.asarray(batch["inputs"])
     mask = np.asarray(batch["loss_mask"]).astype(bool) if "loss_mask" in batch else np.ones(inputs.shape, bool)

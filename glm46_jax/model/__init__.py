@@ -16,11 +16,11 @@ import jax
 from flax import nnx
 from jaxtyping import Array, Int
 
-from glm46_jax import sharding
 from glm46_jax.config import ModelConfig
 from glm46_jax.model import pipeline
 from glm46_jax.model.layers import ExpertBias
 from glm46_jax.model.transformer import GenerationCache, GLMMoE, ModelOutput
+from glm46_jax.parallel import sharding
 
 __all__ = ["ExpertBias", "GLMMoE", "GenerationCache", "ModelOutput", "abstract_model", "apply", "apply_cached",
            "apply_cached_routed", "init_model", "merge"]

@@ -3,7 +3,7 @@ function the model calls where it reads a projection weight (docs/lora.md#how-th
 
 A module with an adapter on its weight `q_proj` holds it as the attribute `q_proj_lora`; `adapted(module,
 "q_proj", dt)` then returns the effective weight, else exactly `weight(module.q_proj, dt)` (so a model
-without adapters traces to the same program as before). Attaching adapters is `glm46_jax.lora`'s job.
+without adapters traces to the same program as before). Attaching adapters is `glm46_jax.model.lora`'s job.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from glm46_jax.sharding import weight
+from glm46_jax.parallel.sharding import weight
 
 
 class LoRA(nnx.Param):

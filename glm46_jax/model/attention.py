@@ -12,8 +12,17 @@ from glm46_jax.config import ModelConfig
 from glm46_jax.model.adapters import adapted
 from glm46_jax.model.blockwise_attention import blockwise_attention
 from glm46_jax.model.layers import RMSNorm, apply_partial_rope, param
-from glm46_jax.sharding import (context_size, copies_to_split, load_balanced_order, logical, mesh_axes, shard_map,
-                                unsharded_singletons, weight, whole_along)
+from glm46_jax.parallel.sharding import (
+    context_size,
+    copies_to_split,
+    load_balanced_order,
+    logical,
+    mesh_axes,
+    shard_map,
+    unsharded_singletons,
+    weight,
+    whole_along,
+)
 
 
 def attention_mask(segment_ids: Int[Array, "b s"] | None, seq_len: int) -> Bool[Array, "b 1 s t"]:

@@ -38,7 +38,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from glm46_jax.config import ModelConfig
-from glm46_jax.sharding import cotangent_like
+from glm46_jax.parallel.sharding import cotangent_like
 
 
 def expert_capacity(num_tokens: int, cfg: ModelConfig) -> int:

@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, Int
 
 from glm46_jax.config import ModelConfig
 from glm46_jax.model.adapters import adapted
-from glm46_jax.sharding import logical, weight
+from glm46_jax.parallel.sharding import logical, weight
 
 
 class ExpertBias(nnx.Variable):

@@ -17,8 +17,16 @@ from glm46_jax.config import ModelConfig
 from glm46_jax.model.adapters import adapted
 from glm46_jax.model.experts import expert_capacity, grouped_experts, local_experts
 from glm46_jax.model.layers import MLP, ExpertBias, param
-from glm46_jax.sharding import (constrain, flatten_tokens, logical, mesh_axes, shard_map, unflatten_tokens,
-                                unsharded_singletons, weight)
+from glm46_jax.parallel.sharding import (
+    constrain,
+    flatten_tokens,
+    logical,
+    mesh_axes,
+    shard_map,
+    unflatten_tokens,
+    unsharded_singletons,
+    weight,
+)
 
 
 def choose_experts(x: Float[Array, "n d"], w_router_de: Array, bias_e: Array,

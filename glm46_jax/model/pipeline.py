@@ -27,7 +27,7 @@ from jaxtyping import Array, Float
 
 from glm46_jax.config import ModelConfig
 from glm46_jax.model.attention import SequenceMask
-from glm46_jax.sharding import pipeline_microbatches
+from glm46_jax.parallel.sharding import pipeline_microbatches
 
 STACK = "moe_layers"  # the pipelined stack's name in the parameter tree
 

@@ -14,7 +14,7 @@ from glm46_jax.model import pipeline
 from glm46_jax.model.attention import Attention, KVCache, cache_mask, self_attention_mask
 from glm46_jax.model.layers import MLP, RMSNorm, param, rope_cos_sin
 from glm46_jax.model.moe import MoE
-from glm46_jax.sharding import context_size, load_balanced_order, logical, weight, whole_along
+from glm46_jax.parallel.sharding import context_size, load_balanced_order, logical, weight, whole_along
 
 
 class DecoderLayer(nnx.Module):

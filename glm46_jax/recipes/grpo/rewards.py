@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from glm46_jax.cli import InputError
-from glm46_jax.rl import sandbox
+from glm46_jax.recipes.grpo import sandbox
 
 RewardFn = Callable[[str, Mapping[str, Any]], float]
 

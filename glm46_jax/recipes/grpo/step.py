@@ -20,10 +20,10 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Float
 
-from glm46_jax.loss import nll_and_lse
 from glm46_jax.model import apply
-from glm46_jax.rl import objective
-from glm46_jax.train_step import make_step
+from glm46_jax.recipes.grpo import objective
+from glm46_jax.training.loss import nll_and_lse
+from glm46_jax.training.step import make_step
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Training metrics on the host: peak FLOP/s, MFU, device memory, and a JSONL + TensorBoard writer.
 
 Nothing here is jitted: these run between steps on values already fetched to the host.
-The MFU numerator comes from `glm46_jax.counting.flops_per_token(cfg, seq_len)`; the denominator
+The MFU numerator comes from `glm46_jax.model.counting.flops_per_token(cfg, seq_len)`; the denominator
 is `peak_flops` (datasheet) where the chip is known, else `measure_matmul_peak` (e.g. on CPU).
 """
 
@@ -100,7 +100,7 @@ def measure_matmul_peak(
 def mfu(flops_per_token: float, tokens_per_s: float, num_devices: int, peak_per_device: float) -> float:
     """Model FLOPs utilisation: flops_per_token * tokens_per_s / (num_devices * peak_per_device).
 
-    `flops_per_token` is the model's training FLOPs per token, `glm46_jax.counting.flops_per_token`:
+    `flops_per_token` is the model's training FLOPs per token, `glm46_jax.model.counting.flops_per_token`:
     6 x (matmul weights each token touches: attention projections, dense FFNs, router, the k routed
     + shared experts, MTP, output head) + causal attention, 6 * seq_len * heads * head_dim per layer.
     Remat recompute is not counted, so this is model FLOPs, not hardware FLOPs.
@@ -168,7 +168,7 @@ class MetricWriter:
         # Not a with-block: the file stays open across writes and is closed in close().
         self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a" if append else "w")  # noqa: SIM115
         if tensorboard:
-            # Imported here: tensorboardX pulls in protobuf, which `import glm46_jax.metrics` should not pay for.
+            # Imported here: tensorboardX pulls in protobuf, which `import glm46_jax.training.metrics` should not pay for.
             from tensorboardX import SummaryWriter
 
             self._tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))

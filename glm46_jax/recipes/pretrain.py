@@ -21,16 +21,16 @@ from typing import Any
 import jax
 from absl import logging
 
-from glm46_jax import models
 from glm46_jax.config import ModelConfig
 from glm46_jax.data import loader
 from glm46_jax.data.curriculum import Curriculum, CurriculumIterator, Phase
 from glm46_jax.data.loader import LoaderConfig
 from glm46_jax.model import abstract_model
-from glm46_jax.recipe_base import LanguageModeling
+from glm46_jax.recipes.base import LanguageModeling
 from glm46_jax.run_config import RunConfig
-from glm46_jax.train_step import TrainState
-from glm46_jax.trainer import StepInput
+from glm46_jax.training import models
+from glm46_jax.training.step import TrainState
+from glm46_jax.training.trainer import StepInput
 
 
 @dataclasses.dataclass

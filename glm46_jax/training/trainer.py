@@ -4,7 +4,7 @@
         state, summary = trainer.fit(recipe, state, ckpt, train_cfg, run_dir=..., start_step=..., stop=stop)
 
 A recipe (`Recipe`) says what a step is, where its batches come from and how it is evaluated: pre-training
-(`glm46_jax.pretrain`) walks a curriculum of phases; a fine-tuning recipe brings chat batches and an
+(`glm46_jax.recipes.pretrain`) walks a curriculum of phases; a fine-tuning recipe brings chat batches and an
 RL recipe sampled rollouts, each with its own loss in the one update step (`train_step.make_step`). The
 driver owns everything around the step and is the same for all of them:
   * `Programs`: each segment's (phase's) train step, compiled ahead of time once per batch shape (a
@@ -35,8 +35,9 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from glm46_jax import checkpoint, metrics, sharding
+from glm46_jax.parallel import sharding
 from glm46_jax.run_config import TrainConfig
+from glm46_jax.training import checkpoint, metrics
 
 _END_WINDOW = 10  # "end loss" = mean over this many final steps: one noisy batch says little
 

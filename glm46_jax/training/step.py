@@ -27,10 +27,10 @@ import optax
 from flax import nnx, struct
 from jaxtyping import Array, Int
 
-from glm46_jax import balancing
 from glm46_jax.config import ModelConfig
-from glm46_jax.loss import Batch, LossConfig, batch_norms, loss_fn
 from glm46_jax.model import pipeline
+from glm46_jax.training import balancing
+from glm46_jax.training.loss import Batch, LossConfig, batch_norms, loss_fn
 
 Controls = dict[str, Array]  # "mtp_weight", "bias_rate": float32 scalars chosen by the host per step
 

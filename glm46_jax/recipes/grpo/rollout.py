@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Float, Int
 
-from glm46_jax.generate import generate
+from glm46_jax.infer.generate import generate
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,8 @@ import numpy as np
 from flax import struct
 from jaxtyping import Array, Float, Int
 
-from glm46_jax import sharding
 from glm46_jax.cli import InputError
+from glm46_jax.parallel import sharding
 
 
 @struct.dataclass

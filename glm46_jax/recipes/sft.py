@@ -10,7 +10,7 @@ assistant says, and the held-out `eval/ce` is the assistant-token CE of the held
 
 `sft.method="lora"`: the base weights come from `checkpoint.init_from` and stay frozen (`recipe.frozen`, a jit
 argument of the step, not part of the train state), so gradients, the optimizer state and the checkpoints hold only
-the adapters (glm46_jax.lora). At the end the run also writes `<run_dir>/merged/<step>`: the weights with the
+the adapters (glm46_jax.model.lora). At the end the run also writes `<run_dir>/merged/<step>`: the weights with the
 adapters merged in, which generate/score/eval/convert read like any checkpoint. `sft.method="full"` trains every
 weight, starting from `init_from` (docs/sft.md#the-sft-recipe).
 """
@@ -25,12 +25,12 @@ from typing import Any
 import jax
 from absl import logging
 
-from glm46_jax import models
 from glm46_jax.data import iterator_state, loader, sft_loader
-from glm46_jax.recipe_base import LanguageModeling, warn_random_start
+from glm46_jax.recipes.base import LanguageModeling, warn_random_start
 from glm46_jax.run_config import RunConfig, SFTConfig
-from glm46_jax.train_step import TrainState
-from glm46_jax.trainer import StepInput
+from glm46_jax.training import models
+from glm46_jax.training.step import TrainState
+from glm46_jax.training.trainer import StepInput
 
 
 @dataclasses.dataclass(frozen=True)

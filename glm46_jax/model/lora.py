@@ -21,14 +21,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from glm46_jax import sharding
-from glm46_jax.cli import InputError
-from glm46_jax.config import check_choice, check_field, check_known_fields, check_range
+from glm46_jax.cli import InputError, check_choice, check_field, check_known_fields, check_range
 from glm46_jax.model.adapters import Adapter, LoRA
 from glm46_jax.model.attention import Attention
 from glm46_jax.model.layers import MLP, ExpertBias
 from glm46_jax.model.moe import MoE
 from glm46_jax.model.paths import LAYER_STACKS
+from glm46_jax.parallel import sharding
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 FFN = ("gate_proj", "up_proj", "down_proj")

@@ -25,9 +25,10 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from glm46_jax.config import ModelConfig, check_range
+from glm46_jax.cli import check_range
+from glm46_jax.config import ModelConfig
 from glm46_jax.model import apply
-from glm46_jax.sharding import whole_along
+from glm46_jax.parallel.sharding import whole_along
 
 # A batch is a dict of [b, s] int arrays: "inputs", "targets" and optionally "loss_mask", "positions",
 # "segment_ids". A batch laid out for a context axis > 1 (`loader.to_context_layout`) also brings the MTP

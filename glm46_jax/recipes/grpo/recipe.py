@@ -35,17 +35,20 @@ from absl import logging
 from flax import nnx
 from tokenizers import Tokenizer
 
-from glm46_jax import atomic, chat, checkpoint, models, sharding
+from glm46_jax import atomic
 from glm46_jax.cli import InputError
-from glm46_jax.recipe_base import RecipeBase, warn_random_start
-from glm46_jax.rl import objective
-from glm46_jax.rl.curriculum import CurriculumConfig, PromptPool
-from glm46_jax.rl.rewards import Rewards
-from glm46_jax.rl.rollout import Rollout, Sampling, sample_groups, strip_stop, training_rows
-from glm46_jax.rl.step import StepSettings, completion_logprobs, make_grpo_step
+from glm46_jax.infer import chat
+from glm46_jax.parallel import sharding
+from glm46_jax.recipes.base import RecipeBase, warn_random_start
+from glm46_jax.recipes.grpo import objective
+from glm46_jax.recipes.grpo.curriculum import CurriculumConfig, PromptPool
+from glm46_jax.recipes.grpo.rewards import Rewards
+from glm46_jax.recipes.grpo.rollout import Rollout, Sampling, sample_groups, strip_stop, training_rows
+from glm46_jax.recipes.grpo.step import StepSettings, completion_logprobs, make_grpo_step
 from glm46_jax.run_config import RLConfig, RunConfig
-from glm46_jax.train_step import TrainState, with_frozen
-from glm46_jax.trainer import StepInput
+from glm46_jax.training import checkpoint, models
+from glm46_jax.training.step import TrainState, with_frozen
+from glm46_jax.training.trainer import StepInput
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,14 +26,15 @@ import optax
 from absl import logging
 from flax import nnx
 
-from glm46_jax import checkpoint, lora, sharding
 from glm46_jax.cli import InputError
 from glm46_jax.config import ModelConfig
-from glm46_jax.lora import LoRAConfig
-from glm46_jax.model import abstract_model, init_model
-from glm46_jax.optim import OptimConfig, build_optimizer
+from glm46_jax.model import abstract_model, init_model, lora
+from glm46_jax.model.lora import LoRAConfig
+from glm46_jax.parallel import sharding
 from glm46_jax.run_config import RunConfig
-from glm46_jax.train_step import FrozenModel, ModelState, TrainState, init_opt_state
+from glm46_jax.training import checkpoint
+from glm46_jax.training.optim import OptimConfig, build_optimizer
+from glm46_jax.training.step import FrozenModel, ModelState, TrainState, init_opt_state
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from glm46_jax.config import check_choice, check_field, check_range
+from glm46_jax.cli import check_choice, check_field, check_range
 from glm46_jax.model.paths import LAYER_STACKS, path_names
 
 # --- the optimizer split (the plan tool counts optimizer state with it too) -----------------------

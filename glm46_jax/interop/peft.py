@@ -26,7 +26,7 @@ from safetensors.numpy import save_file
 from glm46_jax import atomic
 from glm46_jax.cli import InputError
 from glm46_jax.config import ModelConfig
-from glm46_jax.lora import ATTENTION, LoRAConfig, add_adapters
+from glm46_jax.model.lora import ATTENTION, LoRAConfig, add_adapters
 
 WHY_ATTENTION_ONLY = "docs/lora.md#what-peft-can-express"
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"

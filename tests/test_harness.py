@@ -28,7 +28,8 @@ from glm46_jax.config import TINY
 from glm46_jax.infer.generate import generate
 from glm46_jax.interop.hf import save_hf
 from glm46_jax.model import abstract_model, apply, init_model
-from glm46_jax.infer.score import _Tokenizer, token_logprobs
+from glm46_jax.infer.load import Tokenizer as _Tokenizer
+from glm46_jax.infer.score import token_logprobs
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 CFG = TINY  # 512 ids (the trained tokenizer uses at most 400 of them), eos 1, pad 0

@@ -31,7 +31,7 @@ from jaxtyping import Array, Float
 from glm46_jax import cli
 from glm46_jax.cli import InputError
 from glm46_jax.data import loader
-from glm46_jax.infer.score import add_model_args, load_model
+from glm46_jax.infer.load import add_model_args, load_model
 from glm46_jax.model import apply
 from glm46_jax.parallel import sharding
 from glm46_jax.training.loss import token_nll
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         raise InputError(f"--seq-len={args.seq_len} and --batch={args.batch} must be >= 1")
     domains = _domains(args.corpus, args.domains)  # checked before the (slow) model load
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
-    cfg, graphdef, params, buffers, _ = load_model(args, mesh)
+    cfg, graphdef, params, buffers, _ = load_model(mesh, hf_dir=args.hf_dir, checkpoint=args.checkpoint,
+                                                   dtype=args.dtype)
     vocab = int(loader.read_metadata(args.corpus)["tokenizer"]["vocab_size"])
     if vocab > cfg.vocab_size:
         raise InputError(f"{args.corpus}: its tokenizer has {vocab} ids, more than the model's vocab_size="

@@ -32,10 +32,10 @@ from jaxtyping import Array, Float, Int
 from glm46_jax import cli
 from glm46_jax.cli import InputError
 from glm46_jax.infer import chat
+from glm46_jax.infer.load import Tokenizer, add_model_args, load_model
 
 # Generation, sample, filter_logits, check_request and pad_batch are part of this module's API too.
 from glm46_jax.infer.sampling import Generation, as_rows, check_request, filter_logits, pad_batch, replicated, sample  # noqa: F401
-from glm46_jax.infer.score import _Tokenizer, add_model_args, load_model  # scoring's loading, tokenizer lookup, flags
 from glm46_jax.infer.speculative import generate_speculative, tokens_per_forward
 from glm46_jax.model import GenerationCache, apply_cached_routed
 from glm46_jax.parallel import sharding
@@ -193,7 +193,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _stop_ids(strings: list[str], tokenizer: _Tokenizer) -> list[int]:
+def _stop_ids(strings: list[str], tokenizer: Tokenizer) -> list[int]:
     ids = []
     for text in strings:
         enc = tokenizer.encode(text)
@@ -222,14 +222,15 @@ def main(argv: list[str] | None = None) -> list[list[int]]:
         raise InputError("--chat renders text in the chat format: give it --prompt TEXT or --messages FILE, "
                          "not --tokens")
     conversations = [chat.load_conversation(path) for path in args.messages or ()]  # checked before the load
-    cfg, graphdef, params, buffers, tok_spec = load_model(args, mesh)
+    cfg, graphdef, params, buffers, tok_spec = load_model(mesh, hf_dir=args.hf_dir, checkpoint=args.checkpoint,
+                                                          dtype=args.dtype, tokenizer=args.tokenizer)
     if cfg.moe_capacity_factor > 0:  # generation needs rows that cannot crowd each other out of experts
         from glm46_jax.model import abstract_model
         cfg = cfg.replace(moe_capacity_factor=0.0)
         graphdef, _, _ = abstract_model(cfg, mesh)
     tokenizer = None
     if args.prompt is not None or args.stop or chat_mode:
-        tokenizer = _Tokenizer(tok_spec)
+        tokenizer = Tokenizer(tok_spec)
     if chat_mode:
         if args.prompt is not None:
             conversations = [chat.Conversation([{"role": "user", "content": text}], None) for text in args.prompt]

@@ -39,7 +39,7 @@ except ImportError as err:  # an optional extra: say which one
 
 from glm46_jax.cli import InputError
 from glm46_jax.infer.generate import generate
-from glm46_jax.infer.score import _Tokenizer, load_model
+from glm46_jax.infer.load import Tokenizer, load_model
 from glm46_jax.model import abstract_model, apply
 from glm46_jax.parallel import sharding
 from glm46_jax.training.loss import token_nll
@@ -103,26 +103,26 @@ class GLMHarnessLM(TemplateLM):
         if int(max_gen_toks) < 1 or (max_length is not None and int(max_length) < 1):
             raise InputError(f"--model_args max_length={max_length} and max_gen_toks={max_gen_toks} must be >= 1")
         mesh = sharding.make_mesh({"data": -1}, jax.local_devices())
-        args = argparse.Namespace(checkpoint=checkpoint and str(checkpoint), hf_dir=hf_dir and str(hf_dir),
-                                  dtype=dtype, tokenizer=tokenizer)
-        cfg, graphdef, params, buffers, tok_path = load_model(args, mesh)
+        cfg, graphdef, params, buffers, tok_path = load_model(
+            mesh, checkpoint=checkpoint and str(checkpoint), hf_dir=hf_dir and str(hf_dir), dtype=dtype,
+            tokenizer=tokenizer)
         super().__init__()
-        self._setup(cfg, graphdef, params, buffers, _Tokenizer(tok_path), mesh, batch_size=batch_size,
+        self._setup(cfg, graphdef, params, buffers, Tokenizer(tok_path), mesh, batch_size=batch_size,
                     max_length=max_length, max_gen_toks=max_gen_toks, seed=seed)
 
     @classmethod
-    def from_model(cls, cfg, graphdef, params, buffers, tokenizer: _Tokenizer | str, mesh: jax.sharding.Mesh, *,
+    def from_model(cls, cfg, graphdef, params, buffers, tokenizer: Tokenizer | str, mesh: jax.sharding.Mesh, *,
                    batch_size: int = 1, max_length: int | None = None, max_gen_toks: int = 256,
                    seed: int = 0) -> GLMHarnessLM:
         """An adapter around an already loaded model (params placed on `mesh`) and tokenizer (or its path)."""
         self = cls.__new__(cls)
         TemplateLM.__init__(self)
-        tok = tokenizer if isinstance(tokenizer, _Tokenizer) else _Tokenizer(str(tokenizer))
+        tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(str(tokenizer))
         self._setup(cfg, graphdef, params, buffers, tok, mesh, batch_size=batch_size, max_length=max_length,
                     max_gen_toks=max_gen_toks, seed=seed)
         return self
 
-    def _setup(self, cfg, graphdef, params, buffers, tok: _Tokenizer, mesh, *, batch_size, max_length,
+    def _setup(self, cfg, graphdef, params, buffers, tok: Tokenizer, mesh, *, batch_size, max_length,
                max_gen_toks, seed) -> None:
         if not cfg.eos_token_id:
             raise InputError("the model config has no eos_token_id: the harness conditions an empty context on it")

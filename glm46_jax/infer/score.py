@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -21,17 +20,10 @@ from jaxtyping import Array, Float, Int
 
 from glm46_jax import cli
 from glm46_jax.cli import InputError
+from glm46_jax.infer.load import Tokenizer, add_model_args, load_model
 from glm46_jax.model import apply
 from glm46_jax.parallel import sharding
 from glm46_jax.training.loss import token_nll
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--hf-dir | --checkpoint (one of them) and --dtype: what `load_model` reads (score, eval, generate)."""
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hf-dir", help="Hugging Face GLM-4.5/4.6 directory (config.json + safetensors)")
-    src.add_argument("--checkpoint", help="a training run directory or one of its checkpoints")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,43 +43,6 @@ def token_logprobs(logits: Float[Array, "b s v"], tokens: Int[Array, "b s"]) -> 
     return -token_nll(logits[:, :-1], tokens[:, 1:])
 
 
-class _Tokenizer:
-    def __init__(self, spec: str):
-        self.spec = spec
-        if not os.path.exists(spec):
-            raise FileNotFoundError(f"{spec}: tokenizer.json not found (pass --tokenizer PATH)")
-        from tokenizers import Tokenizer
-        try:
-            tok = Tokenizer.from_file(spec)
-        except Exception as e:  # any parse failure means: not a tokenizer.json
-            raise InputError(f"{spec}: not a readable tokenizer.json ({e})") from e
-        self.tokenizer = tok  # the tokenizers.Tokenizer itself (what glm46_jax.infer.chat encodes with)
-        self._encode = lambda text: tok.encode(text, add_special_tokens=False).ids
-        self._decode = lambda ids: tok.decode(list(ids), skip_special_tokens=False)
-
-    def encode(self, text: str) -> list[int]:
-        return [int(i) for i in self._encode(text)]
-
-    def piece(self, token: int) -> str:
-        return self._decode([token])
-
-
-def load_model(args: argparse.Namespace, mesh: jax.sharding.Mesh):
-    """(cfg, graphdef, params, buffers, tokenizer path) from `--hf-dir` or `--checkpoint` (and `--dtype`,
-    `--tokenizer` if the command has them): score's and eval's shared loading."""
-    runtime = {"dtype": args.dtype}
-    if args.hf_dir:
-        from glm46_jax.interop.hf import load_hf
-        cfg, graphdef, params, buffers = load_hf(args.hf_dir, mesh, **runtime)
-        default_tok = os.path.join(args.hf_dir, "tokenizer.json")
-    else:
-        from glm46_jax.training.checkpoint import latest_checkpoint, load_params, tokenizer_path
-        cfg, graphdef, params, buffers = load_params(args.checkpoint, mesh, **runtime)
-        step_dir = latest_checkpoint(args.checkpoint)
-        default_tok = tokenizer_path(step_dir) or os.path.join(step_dir, "tokenizer.json")
-    return cfg, graphdef, params, buffers, getattr(args, "tokenizer", None) or default_tok
-
-
 def main(argv: list[str] | None = None) -> float:
     """Prints the table; returns the total log-likelihood."""
     args = _parser().parse_args(argv)
@@ -97,10 +52,11 @@ def main(argv: list[str] | None = None) -> float:
         except ValueError:
             raise InputError(f"--tokens={args.tokens!r}: expected comma-separated integers") from None
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
-    cfg, graphdef, params, buffers, tok_spec = load_model(args, mesh)
+    cfg, graphdef, params, buffers, tok_spec = load_model(mesh, hf_dir=args.hf_dir, checkpoint=args.checkpoint,
+                                                          dtype=args.dtype, tokenizer=args.tokenizer)
     tokenizer = None
     if args.text is not None:
-        tokenizer = _Tokenizer(tok_spec)
+        tokenizer = Tokenizer(tok_spec)
         ids = tokenizer.encode(args.text)
     bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
     if bad or len(ids) < 2:

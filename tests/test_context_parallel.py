@@ -16,7 +16,7 @@ from glm46_jax.cli import InputError
 from glm46_jax.config import TINY
 from glm46_jax.data import loader
 from glm46_jax.training.loss import LossConfig, loss_fn
-from glm46_jax.model import GenerationCache, abstract_model, apply, apply_cached, init_model, pipeline
+from glm46_jax.model import GenerationCache, abstract_model, apply, init_model, pipeline
 
 SEQ, ROWS = 2048, 2
 # 1 dense + 1 MoE layer + MTP, dropless (capacity drops depend on token order, so only dropless is order-free).
@@ -186,8 +186,8 @@ def test_generation_and_rl_refuse_a_context_mesh():
     mesh = sharding.make_mesh({"context": 2, "data": 4}, cfg=CFG)
     graphdef, params, buffers = init_model(CFG, mesh)
     with sharding.use_mesh(mesh), pytest.raises(ValueError, match="generation keeps each sequence whole"):
-        apply_cached(graphdef, params, buffers, jnp.zeros((8, 1), jnp.int32), jnp.zeros((8, 1), jnp.int32),
-                     GenerationCache.zeros(CFG, 8, 4), 0, jnp.zeros(8, jnp.int32))
+        apply(graphdef, params, buffers, jnp.zeros((8, 1), jnp.int32), jnp.zeros((8, 1), jnp.int32),
+              cache=GenerationCache.zeros(CFG, 8, 4), index=0, start=jnp.zeros(8, jnp.int32))
 
 
 def test_sequence_must_split_into_two_chunks_per_context_shard():

@@ -18,7 +18,7 @@ from glm46_jax.parallel import sharding
 from glm46_jax.cli import InputError
 from glm46_jax.config import TINY
 from glm46_jax.interop.hf import load_hf
-from glm46_jax.model import abstract_model, apply, apply_cached, init_model
+from glm46_jax.model import abstract_model, apply, init_model
 
 CFG = dataclasses.replace(TINY, vocab_size=128, dtype="float32")
 PROMPTS = [[5, 9, 17, 3, 44, 2], [7, 8], [100, 1, 2, 60], [33]]  # lengths 6, 2, 4, 1: left padding 0..5
@@ -57,7 +57,8 @@ def test_cached_logits_equal_full_forward_every_step(which, request, mesh1):
     with sharding.use_mesh(mesh1):
         logits, cache = gen._prefill(graphdef, params, buffers, jnp.asarray(tokens), jnp.asarray(start),
                                      max_len=p + steps)
-        step = jax.jit(lambda pr, bu, t, pos, c, i, s: apply_cached(graphdef, pr, bu, t, pos, c, i, s))
+        step = jax.jit(lambda pr, bu, t, pos, c, i, s: (lambda o: (o.logits, o.cache))(
+            apply(graphdef, pr, bu, t, pos, cache=c, index=i, start=s, with_mtp=False)))
         for i in range(steps + 1):
             logits = np.asarray(logits)
             for row, seq in enumerate(seqs):

@@ -19,7 +19,7 @@ from glm46_jax.parallel import sharding
 from glm46_jax.cli import InputError
 from glm46_jax.config import get_preset
 from glm46_jax.training.loss import loss_fn
-from glm46_jax.model import GenerationCache, apply, apply_cached, init_model, pipeline
+from glm46_jax.model import GenerationCache, apply, init_model, pipeline
 from glm46_jax.training.optim import OptimConfig, build_optimizer
 from glm46_jax.training.step import controls, init_state, make_train_step
 
@@ -253,5 +253,5 @@ def test_unsupported_combinations_are_config_errors():
     one = sharding.make_mesh({"pipeline": 2, "data": 4}, cfg=TINY.replace(num_hidden_layers=3))
     graphdef, params, buffers = init_model(TINY.replace(num_hidden_layers=3), one)
     with sharding.use_mesh(one), pytest.raises(ValueError, match="generation runs the layers in order"):
-        apply_cached(graphdef, params, buffers, jnp.zeros((8, 1), jnp.int32), jnp.zeros((8, 1), jnp.int32),
-                     GenerationCache.zeros(TINY.replace(num_hidden_layers=3), 8, 4), 0, jnp.zeros(8, jnp.int32))
+        apply(graphdef, params, buffers, jnp.zeros((8, 1), jnp.int32), jnp.zeros((8, 1), jnp.int32),
+              cache=GenerationCache.zeros(TINY.replace(num_hidden_layers=3), 8, 4), index=0, start=jnp.zeros(8, jnp.int32))

@@ -37,7 +37,7 @@ from glm46_jax.infer.load import Tokenizer, add_model_args, load_model
 # Generation, sample, filter_logits, check_request and pad_batch are part of this module's API too.
 from glm46_jax.infer.sampling import Generation, as_rows, check_request, filter_logits, pad_batch, replicated, sample  # noqa: F401
 from glm46_jax.infer.speculative import generate_speculative, tokens_per_forward
-from glm46_jax.model import GenerationCache, apply_cached_routed
+from glm46_jax.model import GenerationCache, apply
 from glm46_jax.parallel import sharding
 
 # --- prefill and decode -----------------------------------------------------------------------
@@ -55,9 +55,9 @@ def _prefill_routed_impl(graphdef: nnx.GraphDef, params, buffers, tokens: Int[Ar
         cache = GenerationCache.zeros(cfg, b, max_len)
         # RoPE position = slot - start: each row counts from its own first token; pad slots clip to 0.
         positions = jnp.maximum(jnp.arange(p, dtype=jnp.int32)[None] - start[:, None], 0)
-        logits, cache, routing = apply_cached_routed(graphdef, params, buffers, as_rows(tokens), as_rows(positions),
-                                                     cache, 0, as_rows(start))
-        return replicated(logits[:, -1]), cache, _routing_rows(routing)
+        out = apply(graphdef, params, buffers, as_rows(tokens), as_rows(positions), cache=cache, start=as_rows(start),
+                    with_mtp=False)
+        return replicated(out.logits[:, -1]), out.cache, _routing_rows(out.routing)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_len"))
@@ -107,14 +107,15 @@ def _decode(graphdef: nnx.GraphDef, params, buffers, cache: GenerationCache, las
             step, cache, tok, done, lengths, out, out_logp, routes = state
             slot = first_slot + step - 1  # where the previous token's k/v go
             positions = (slot - start)[:, None]
-            logits, cache, routing = apply_cached_routed(graphdef, params, buffers, as_rows(tok[:, None]),
-                                                         as_rows(positions), cache, slot, as_rows(start))
-            new, logp, now_done = pick(step, replicated(logits[:, 0]), done)
+            step_out = apply(graphdef, params, buffers, as_rows(tok[:, None]), as_rows(positions), cache=cache,
+                             index=slot, start=as_rows(start), with_mtp=False)
+            cache = step_out.cache
+            new, logp, now_done = pick(step, replicated(step_out.logits[:, 0]), done)
             lengths = lengths + (~done).astype(jnp.int32)
             out = jax.lax.dynamic_update_slice(out, new[:, None], (0, step))
             out_logp = jax.lax.dynamic_update_slice(out_logp, logp[:, None], (0, step))
             if routes is not None:
-                routes = jax.lax.dynamic_update_slice(routes, _routing_rows(routing), (0, step - 1, 0, 0))
+                routes = jax.lax.dynamic_update_slice(routes, _routing_rows(step_out.routing), (0, step - 1, 0, 0))
             return step + 1, cache, new, now_done, lengths, out, out_logp, routes
 
         _, cache, _, _, lengths, out, out_logp, routes = jax.lax.while_loop(cond, body, state)

@@ -29,7 +29,7 @@ from jaxtyping import Array, Float, Int
 
 from glm46_jax.cli import InputError
 from glm46_jax.infer.sampling import Generation, as_rows, check_request, filter_logits, pad_batch, replicated, sample
-from glm46_jax.model import GenerationCache
+from glm46_jax.model import GenerationCache, apply
 
 
 @struct.dataclass
@@ -82,17 +82,20 @@ def _prefill(graphdef: nnx.GraphDef, params, buffers, tokens: Int[Array, "b p"],
              *, max_len: int, temperature: float, top_k: int, top_p: float):
     with jax.named_scope("prefill"):
         b, p = tokens.shape
-        model = nnx.merge(graphdef, params, buffers)
-        cache = GenerationCache.zeros(model.cfg, b, max_len, mtp=True)
+        cfg = nnx.merge(graphdef, params, buffers).cfg
+        cache = GenerationCache.zeros(cfg, b, max_len, mtp=True)
         positions = as_rows(jnp.maximum(jnp.arange(p, dtype=jnp.int32)[None] - start[:, None], 0))
-        hidden, cache = model.hidden_cached(as_rows(tokens), positions, cache, 0, as_rows(start))
-        first, first_logp = sample(jax.random.fold_in(key, 0), replicated(model.head(hidden[:, -1:])[:, 0]),
-                                   temperature, top_k, top_p)
+        at = dict(positions=positions, index=0, start=as_rows(start))
+        out = apply(graphdef, params, buffers, as_rows(tokens), cache=cache, with_mtp=False, **at)
+        first, first_logp = sample(jax.random.fold_in(key, 0), replicated(out.logits[:, -1]), temperature, top_k,
+                                   top_p)
         # MTP row t reads hidden[t] and token t + 1; the last row's next token is the one just sampled.
         next_tokens = jnp.concatenate([tokens[:, 1:], first[:, None]], axis=1)
-        mtp_logits, cache = model.mtp_cached(hidden, as_rows(next_tokens), positions, cache, 0, as_rows(start))
-        draft, q = _draft(jax.random.fold_in(key, 1), replicated(mtp_logits[:, -1]), temperature, top_k, top_p)
-        return first, first_logp, draft, q, cache
+        drafted = apply(graphdef, params, buffers, None, cache=out.cache, hidden=out.hidden,
+                        next_tokens=as_rows(next_tokens), **at)
+        draft, q = _draft(jax.random.fold_in(key, 1), replicated(drafted.mtp_logits[:, -1]), temperature, top_k,
+                          top_p)
+        return first, first_logp, draft, q, drafted.cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p"),
@@ -103,7 +106,6 @@ def _decode(graphdef: nnx.GraphDef, params, buffers, cache: GenerationCache, fir
             ) -> tuple[Generation, DraftStats, GenerationCache]:
     # The cache is donated and returned, as in plain decoding: the while loop updates it in place.
     with jax.named_scope("speculative_decode"):
-        model = nnx.merge(graphdef, params, buffers)
         b, n_max = first.shape[0], max_new_tokens
         put = jax.vmap(lambda row, new, at: jax.lax.dynamic_update_slice(row, new, (at,)))  # per-row offsets
         # Two spare columns: a row that is done still writes (ignored) pairs at its length.
@@ -120,8 +122,9 @@ def _decode(graphdef: nnx.GraphDef, params, buffers, cache: GenerationCache, fir
             keys = jax.random.split(jax.random.fold_in(key, step), 3)
             pair = jnp.stack([last, draft], axis=1)
             positions = (slot - start)[:, None] + jnp.arange(2, dtype=jnp.int32)
-            hidden, cache = model.hidden_cached(as_rows(pair), as_rows(positions), cache, slot, as_rows(start))
-            logits = replicated(model.head(hidden))
+            at = dict(positions=as_rows(positions), index=slot, start=as_rows(start))
+            main = apply(graphdef, params, buffers, as_rows(pair), cache=cache, with_mtp=False, **at)
+            logits = replicated(main.logits)
             tok0, logp0, ok = verify(keys[0], logits[:, 0], draft, q, temperature, top_k, top_p)
             tok1, logp1 = sample(keys[1], logits[:, 1], temperature, top_k, top_p)
             # How many tokens this row emits: 2 with an accepted draft, 1 without, none once done; never past
@@ -134,9 +137,9 @@ def _decode(graphdef: nnx.GraphDef, params, buffers, cache: GenerationCache, fir
             hit = jnp.isin(tok0, stop) | ((count == 2) & jnp.isin(tok1, stop))
             # The MTP rows at slots n, n + 1 read the hidden states just computed and the tokens after them:
             # tok0 is the token at n + 1 whether or not the draft was accepted; tok1 matters only if it was.
-            mtp_logits, cache = model.mtp_cached(hidden, as_rows(emitted), as_rows(positions), cache, slot,
-                                                 as_rows(start))
-            mtp_logits = replicated(mtp_logits)
+            mtp = apply(graphdef, params, buffers, None, cache=main.cache, hidden=main.hidden,
+                        next_tokens=as_rows(emitted), **at)
+            cache, mtp_logits = mtp.cache, replicated(mtp.mtp_logits)
             next_draft, next_q = _draft(keys[2], jnp.where((count == 2)[:, None], mtp_logits[:, 1], mtp_logits[:, 0]),
                                         temperature, top_k, top_p)
             live = ~done

@@ -14,7 +14,7 @@ import functools
 
 import jax
 from flax import nnx
-from jaxtyping import Array, Int
+from jaxtyping import Array, Float, Int
 
 from glm46_jax.config import ModelConfig
 from glm46_jax.model import pipeline
@@ -22,8 +22,7 @@ from glm46_jax.model.layers import ExpertBias
 from glm46_jax.model.transformer import GenerationCache, GLMMoE, ModelOutput
 from glm46_jax.parallel import sharding
 
-__all__ = ["ExpertBias", "GLMMoE", "GenerationCache", "ModelOutput", "abstract_model", "apply", "apply_cached",
-           "apply_cached_routed", "init_model", "merge"]
+__all__ = ["ExpertBias", "GLMMoE", "GenerationCache", "ModelOutput", "abstract_model", "apply", "init_model"]
 
 
 def init_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None,
@@ -36,10 +35,8 @@ def init_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None,
     with sharding.use_mesh(mesh):
         graphdef, _, _ = abstract_model(cfg, mesh)
         params, buffers = _jitted_init(_init_key(cfg))(jax.random.key(seed))
-        stages = mesh.shape["pipeline"]
-        if stages > 1:  # the same weights as on any other mesh, in the pipeline's slot order
-            params, buffers = jax.jit(functools.partial(pipeline.to_slots, lay=pipeline.layout(cfg, stages)))(
-                (params, buffers))
+        if mesh.shape["pipeline"] > 1:  # the same weights as on any other mesh, in the pipeline's slot order
+            params, buffers = jax.jit(lambda tree: pipeline.in_slot_order(tree, cfg))((params, buffers))
     return graphdef, params, buffers
 
 
@@ -53,7 +50,8 @@ def _init_key(cfg: ModelConfig) -> ModelConfig:
 
 @functools.lru_cache(maxsize=16)
 def _jitted_init(cfg: ModelConfig):
-    # Cached per config: on CPU, XLA spends ~0.2 s compiling each threefry draw, ~20 s per model.
+    # Cached per config: XLA compiles every parameter's threefry draw, seconds per model on CPU
+    # (docs/performance.md#initialization).
     @jax.jit
     def make(key):
         # In layer order (stages=1) whatever the mesh: init_model permutes it into a pipeline's slots.
@@ -80,35 +78,19 @@ def abstract_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | jax.sharding.Abst
     return graphdef, params, buffers
 
 
-def merge(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State) -> GLMMoE:
-    return nnx.merge(graphdef, params, buffers)
+def apply(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, tokens: Int[Array, "b s"] | None,
+          positions: Int[Array, "b s"] | None = None, segment_ids: Int[Array, "b s"] | None = None, *,
+          cache: GenerationCache | None = None, index: Int[Array, ""] | Int[Array, "b"] | int = 0,
+          start: Int[Array, "b"] | None = None, expert_ids: Int[Array, "l b s k"] | None = None,
+          next_tokens: Int[Array, "b s"] | None = None, with_mtp: bool = True,
+          hidden: Float[Array, "b s d"] | None = None) -> ModelOutput:
+    """The model's one pure forward pass: logits, final hidden state, MTP logits, router statistics and, given a
+    KV cache, the updated cache. Arguments as `GLMMoE.__call__`:
 
-
-def apply(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, tokens: Int[Array, "b s"],
-          positions: Int[Array, "b s"] | None = None, segment_ids: Int[Array, "b s"] | None = None,
-          *, with_mtp: bool = True, next_tokens: Int[Array, "b s"] | None = None,
-          expert_ids: Int[Array, "l b s k"] | None = None) -> ModelOutput:
-    """The pure forward pass: logits, final hidden state, MTP logits and router statistics.
-
-    `next_tokens`: the MTP layer's inputs (default: the tokens shifted by one; required on a context axis > 1).
-    `expert_ids`: replayed routing of the MoE layers (`GLMMoE.__call__`)."""
-    return merge(graphdef, params, buffers)(tokens, positions, segment_ids, with_mtp=with_mtp,
-                                            next_tokens=next_tokens, expert_ids=expert_ids)
-
-
-def apply_cached(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, tokens: Int[Array, "b s"],
-                 positions: Int[Array, "b s"], cache: GenerationCache, index: Int[Array, ""] | int,
-                 start: Int[Array, "b"]) -> tuple[Array, GenerationCache]:
-    """The main model over new tokens with a KV cache (generation): (logits [b, s, vocab], updated cache).
-
-    Writes the tokens' keys/values at cache slots [index, index + s); see `GLMMoE.forward_cached`.
+        apply(g, p, b, tokens)                                              # training / scoring: whole rows
+        apply(g, p, b, tokens, positions, cache=c, index=i, start=s, with_mtp=False)   # a generation step
+        apply(g, p, b, None, positions, cache=c, index=i, start=s, hidden=h, next_tokens=n)  # MTP drafting
     """
-    return merge(graphdef, params, buffers).forward_cached(tokens, positions, cache, index, start)
-
-
-def apply_cached_routed(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, tokens: Int[Array, "b s"],
-                        positions: Int[Array, "b s"], cache: GenerationCache, index: Int[Array, ""] | int,
-                        start: Int[Array, "b"]) -> tuple[Array, GenerationCache, Array | None]:
-    """`apply_cached` and the experts each MoE layer chose for the new tokens [moe layers, b, s, k] (None when the
-    model has no MoE layers): what routing replay records while sampling."""
-    return merge(graphdef, params, buffers).forward_cached_routed(tokens, positions, cache, index, start)
+    return nnx.merge(graphdef, params, buffers)(tokens, positions, segment_ids, cache=cache, index=index, start=start,
+                                                expert_ids=expert_ids, next_tokens=next_tokens, with_mtp=with_mtp,
+                                                hidden=hidden)

@@ -12,17 +12,8 @@ from glm46_jax.config import ModelConfig
 from glm46_jax.model.adapters import adapted
 from glm46_jax.model.blockwise_attention import blockwise_attention
 from glm46_jax.model.layers import RMSNorm, apply_partial_rope, param
-from glm46_jax.parallel.sharding import (
-    context_size,
-    copies_to_split,
-    load_balanced_order,
-    logical,
-    mesh_axes,
-    shard_map,
-    unsharded_singletons,
-    weight,
-    whole_along,
-)
+from glm46_jax.parallel.sharding import (context_size, copies_to_split, load_balanced_order, logical, mesh_axes,
+                                         shard_map, unsharded_singletons, weight, whole_along)
 
 
 def attention_mask(segment_ids: Int[Array, "b s"] | None, seq_len: int) -> Bool[Array, "b 1 s t"]:
@@ -138,22 +129,17 @@ class Attention(nnx.Module):
         return cfg.num_key_value_heads * copies_to_split("kv_heads", cfg.num_key_value_heads)
 
     @jax.named_scope("attention")  # op names in profiles and HLO dumps: .../attention/...
-    def __call__(self, x: Float[Array, "b s d"], cos: Array, sin: Array,
-                 mask: Bool[Array, "b 1 s t"] | SequenceMask) -> Float[Array, "b s d"]:
-        q, k, v = self._qkv(x, cos, sin)
-        return self._attend(q, k, v, mask)
-
-    @jax.named_scope("attention")
-    def cached(self, x: Float[Array, "b s d"], cos: Array, sin: Array, mask: Bool[Array, "b 1 s t"],
-               cache: KVCache, layer: Int[Array, ""] | int,
-               index: Int[Array, ""] | int) -> tuple[Float[Array, "b s d"], KVCache]:
-        """Attention for generation: the s new tokens' k/v are written into `cache` at slots
-        [index, index + s) of layer `layer`, then the queries attend over all of that layer's t slots
+    def __call__(self, x: Float[Array, "b s d"], cos: Array, sin: Array, mask: Bool[Array, "b 1 s t"] | SequenceMask,
+                 cache: KVCache | None = None, layer: Int[Array, ""] | int = 0, index: Int[Array, ""] | int = 0
+                 ) -> tuple[Float[Array, "b s d"], KVCache | None]:
+        """Self-attention over the s rows of `x`; with a `cache` (generation) the rows' k/v are first written into
+        layer `layer` of it at slots [index, index + s), and the queries attend over all of that layer's t slots
         (`mask` says which slots each query may see: causal, and never a padded slot)."""
         q, k, v = self._qkv(x, cos, sin)
-        cache = cache.write(layer, index, k, v)
-        k_all, v_all = cache.layer(layer)
-        return self._attend(q, k_all, v_all, mask), cache
+        if cache is not None:
+            cache = cache.write(layer, index, k, v)
+            k, v = cache.layer(layer)
+        return self._attend(q, k, v, mask), cache
 
     def _qkv(self, x, cos, sin):
         cfg, dt = self.cfg, x.dtype

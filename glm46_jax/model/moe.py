@@ -17,16 +17,8 @@ from glm46_jax.config import ModelConfig
 from glm46_jax.model.adapters import adapted
 from glm46_jax.model.experts import expert_capacity, grouped_experts, local_experts
 from glm46_jax.model.layers import MLP, ExpertBias, param
-from glm46_jax.parallel.sharding import (
-    constrain,
-    flatten_tokens,
-    logical,
-    mesh_axes,
-    shard_map,
-    unflatten_tokens,
-    unsharded_singletons,
-    weight,
-)
+from glm46_jax.parallel.sharding import (constrain, flatten_tokens, logical, mesh_axes, shard_map, spec_axes,
+                                         unflatten_tokens, unsharded_singletons, weight)
 
 
 def choose_experts(x: Float[Array, "n d"], w_router_de: Array, bias_e: Array,
@@ -93,7 +85,7 @@ def dispatch(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float[Arra
     exp = logical("exp", None, "mlp_moe")
     exp_down = logical("exp", "mlp_moe", None)
     # The token spec's axes, not mesh_axes("batch"): inside a pipeline stage `pipeline` is not among them.
-    batch_axes = _spec_axes(tok[0])
+    batch_axes = spec_axes(tok[0])
     local_fn = _allgather if cfg.moe_dispatch == "allgather" else _alltoall
 
     def local(x, idx, weights, wg, wu, wd):
@@ -112,10 +104,6 @@ def dispatch(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float[Arra
     experts = [jax.sharding.reshard(w, spec) for w, spec in
                ((w_gate_edf, exp), (w_up_edf, exp), (w_down_efd, exp_down))]
     return mapped(*tokens, *experts)
-
-
-def _spec_axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _expert_group() -> tuple[str, ...]:

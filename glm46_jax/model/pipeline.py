@@ -27,7 +27,7 @@ from jaxtyping import Array, Float
 
 from glm46_jax.config import ModelConfig
 from glm46_jax.model.attention import SequenceMask
-from glm46_jax.parallel.sharding import pipeline_microbatches
+from glm46_jax.parallel.sharding import pipeline_microbatches, spec_axes
 
 STACK = "moe_layers"  # the pipelined stack's name in the parameter tree
 
@@ -81,7 +81,7 @@ def _without_pipeline(spec: jax.P) -> jax.P:
     def drop(entry):
         if entry is None:
             return None
-        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a != "pipeline")
+        kept = tuple(a for a in spec_axes(entry) if a != "pipeline")
         return None if not kept else kept[0] if len(kept) == 1 else kept
     return jax.P(*(drop(e) for e in spec))
 
@@ -115,19 +115,6 @@ def to_layers(tree, lay: Layout):
     return _convert(tree, lay, False)
 
 
-def in_stored_order(load: Array, cfg: ModelConfig) -> Array:
-    """Per-layer MoE statistics ([layers, ...], layer order) in the order the stack is stored on the mesh in
-    context: what loss-free balancing steps the slot-ordered biases with (identity slots get zeros: no step)."""
-    stages = mesh_stages()
-    return load if stages == 1 else to_slots({STACK: load}, layout(cfg, stages))[STACK]
-
-
-def layer_ordered(tree, cfg: ModelConfig):
-    """`tree` stored for the mesh in context (traced, under jit) with its MoE stack in layer order."""
-    stages = mesh_stages()
-    return tree if stages == 1 else to_layers(tree, layout(cfg, stages))
-
-
 def with_stage_axis(tree):
     """Abstract arrays whose MoE stack's leading (slot) dimension is on `pipeline`, as its "stage_layers" name
     says: `nnx.vmap` records the stacked axis' name but leaves that axis unsharded in the abstract array."""
@@ -140,34 +127,41 @@ def with_stage_axis(tree):
     return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
-def stored_layout(tree, cfg: ModelConfig) -> Layout | None:
-    """The slot layout `tree`'s MoE stack is in (its arrays' mesh has `pipeline` > 1), or None (layer order)."""
-    for path, x in jax.tree_util.tree_leaves_with_path(tree):
-        sharding = getattr(x, "sharding", None)
-        if _in_stack(path) and isinstance(sharding, jax.NamedSharding):
-            stages = dict(sharding.mesh.shape).get("pipeline", 1)
-            return layout(cfg, stages) if stages > 1 else None
-    return None
-
+# --- what init, the train step and checkpoints see: layer order in, the stored order out, and back ----------------
 
 def in_layer_order(tree, cfg: ModelConfig):
-    """`tree` (arrays) with its MoE stack in layer order, as checkpoints store it; unchanged if it already is."""
-    lay = stored_layout(tree, cfg)
+    """`tree` (arrays, or traced under jit on the mesh) with its MoE stack in layer order:
+    what checkpoints store, the HF export writes and per-layer metrics read. Unchanged where it already is."""
+    lay = _stored_layout(tree, cfg)
     if lay is None:
         return tree
+    if _traced(tree):
+        return to_layers(tree, lay)
     with jax.set_mesh(_mesh_of(tree)):
         return _jitted_to_layers(lay)(tree)
 
 
-@functools.lru_cache(maxsize=8)
-def _jitted_to_layers(lay: Layout):  # one compiled conversion per layout: every checkpoint save runs it
-    return jax.jit(functools.partial(to_layers, lay=lay))
+def in_slot_order(tree, cfg: ModelConfig, like=None):
+    """The inverse of `in_layer_order`: `tree` (layer order) in the stored order and shardings of `like` (arrays or
+    ShapeDtypeStructs, e.g. a restore target), or without `like`, traced under jit, of the mesh in context. A bare
+    array is a stack itself (per-layer statistics, [layers, ...]); identity slots get zeros."""
+    if hasattr(tree, "shape"):
+        return in_slot_order({STACK: tree}, cfg, like)[STACK]
+    if like is None:
+        stages = mesh_stages()
+        return tree if stages == 1 else to_slots(tree, layout(cfg, stages))
+    lay = _stored_layout(like, cfg)
+    if lay is None:
+        return tree
+    shardings = jax.tree.map(lambda x: x.sharding, like)
+    with jax.set_mesh(_mesh_of(like)):
+        return jax.jit(lambda t: to_slots(t, lay), out_shardings=shardings)(tree)
 
 
 def layer_order_target(tree, cfg: ModelConfig):
     """Abstract arrays (ShapeDtypeStructs) of `tree` in layer order: what to read a checkpoint into before
-    `placed_like` moves it into `tree`'s slot layout."""
-    lay = stored_layout(tree, cfg)
+    `in_slot_order(restored, cfg, like=tree)` moves it into `tree`'s layout."""
+    lay = _stored_layout(tree, cfg)
     if lay is None:
         return tree
 
@@ -180,14 +174,27 @@ def layer_order_target(tree, cfg: ModelConfig):
     return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
-def placed_like(tree, target, cfg: ModelConfig):
-    """`tree` (layer order, as read from a checkpoint) in `target`'s layout and shardings."""
-    lay = stored_layout(target, cfg)
-    if lay is None:
-        return tree
-    shardings = jax.tree.map(lambda x: x.sharding, target)
-    with jax.set_mesh(_mesh_of(target)):
-        return jax.jit(lambda t: to_slots(t, lay), out_shardings=shardings)(tree)
+def _traced(tree) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+
+
+def _stored_layout(tree, cfg: ModelConfig) -> Layout | None:
+    """The slot layout `tree`'s MoE stack is in (its mesh has `pipeline` > 1; traced: the mesh in context), or None
+    (layer order)."""
+    if _traced(tree):
+        stages = mesh_stages()
+        return layout(cfg, stages) if stages > 1 else None
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        sharding = getattr(x, "sharding", None)
+        if _in_stack(path) and isinstance(sharding, jax.NamedSharding):
+            stages = dict(sharding.mesh.shape).get("pipeline", 1)
+            return layout(cfg, stages) if stages > 1 else None
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_to_layers(lay: Layout):  # one compiled conversion per layout: every checkpoint save runs it
+    return jax.jit(functools.partial(to_layers, lay=lay))
 
 
 def _mesh_of(tree) -> jax.sharding.Mesh:
@@ -200,9 +207,8 @@ def _mesh_of(tree) -> jax.sharding.Mesh:
 def _batch_shards(a: Array) -> int:
     spec = jax.typeof(a).sharding.spec
     entry = spec[0] if len(spec) else None
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
     mesh = jax.sharding.get_abstract_mesh()
-    return math.prod(mesh.shape[x] for x in axes)
+    return math.prod(mesh.shape[x] for x in spec_axes(entry))
 
 
 def _split(a: Array, m: int, axis: int = 0) -> Array:

@@ -215,7 +215,7 @@ def logical(*names: str | None) -> PartitionSpec:
         axes = rules.get(name) if name is not None else None
         if axes is None or not manual:
             return axes
-        kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in manual)
+        kept = tuple(a for a in spec_axes(axes) if a not in manual)
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
     return PartitionSpec(*(spec(n) for n in names))
@@ -239,10 +239,14 @@ def copies_to_split(name: str, size: int) -> int:
     return n // size
 
 
+def spec_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, an axis name, or a tuple of them), as a tuple."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def mesh_axes(name: str) -> tuple[str, ...]:
     """The mesh axes a logical name is sharded over (for collectives inside shard_map)."""
-    axes = dict(LOGICAL_RULES).get(name)
-    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return spec_axes(dict(LOGICAL_RULES).get(name))
 
 
 def weight(p: nnx.Variable, dtype=None) -> jax.Array:
@@ -289,8 +293,7 @@ def unflatten_tokens(x: jax.Array, b: int, s: int) -> jax.Array:
         return jax.sharding.reshard(x.reshape(b, s, *x.shape[1:]), logical("batch", "seq", *rest))
     sizes = dict(mesh.shape)
     # The batch spec's axes, not mesh_axes("batch"): inside a pipeline stage `pipeline` is manual and `b` local.
-    batch_axes = logical("batch")[0]
-    batch_axes = () if batch_axes is None else (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+    batch_axes = spec_axes(logical("batch")[0])
     local_b, local_s = b // math.prod(sizes[a] for a in batch_axes), s // sizes["context"]
     tokens = logical("tokens", *rest)
     mapped = shard_map(lambda a: (a.reshape(local_b, local_s, *a.shape[1:]),), (tokens,),

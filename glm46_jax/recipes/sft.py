@@ -30,14 +30,7 @@ from glm46_jax.recipes.base import LanguageModeling, warn_random_start
 from glm46_jax.run_config import RunConfig, SFTConfig
 from glm46_jax.training import models
 from glm46_jax.training.step import TrainState
-from glm46_jax.training.trainer import StepInput
-
-
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    """The run's one segment (the trainer compiles per segment and batch shape)."""
-    name: str
-    seq_len: int
+from glm46_jax.training.trainer import Segment, StepInput
 
 
 @dataclasses.dataclass
@@ -51,11 +44,11 @@ class FineTuning(LanguageModeling):
         return self.cfg.sft
 
     @property
-    def stage(self) -> Stage:
-        return Stage(f"sft_{self.sft.method}", self.sft.seq_len)
+    def segment(self) -> Segment:
+        return Segment(f"sft_{self.sft.method}", self.sft.seq_len)
 
-    def current_segment(self) -> Stage:
-        return self.stage
+    def current_segment(self) -> Segment:
+        return self.segment
 
     def tokenizer_source(self) -> str | None:
         return os.path.join(self.sft.root, "tokenizer.json")
@@ -80,10 +73,10 @@ class FineTuning(LanguageModeling):
         # follow agree everywhere; the trained (assistant) tokens of a step are its "tokens" metric.
         self.tokens_seen += self.sft.global_batch * self.sft.seq_len
         data_state = {"iterator": iterator_state.to_json(self.data), "tokens_seen": self.tokens_seen}
-        return StepInput(self.stage, self.device_batch(local), self.controls_at(before, max_loss), self.tokens_seen,
+        return StepInput(self.segment, self.device_batch(local), self.controls_at(before, max_loss), self.tokens_seen,
                          data_state)
 
-    def eval_sets(self, stage: Stage, count: int) -> dict[str, list[dict[str, jax.Array]]]:
+    def eval_sets(self, segment: Segment, count: int) -> dict[str, list[dict[str, jax.Array]]]:
         """The first `count` batches of the held-out conversations (one pass, fixed order): eval/ce is their
         assistant-token CE. {} when the dataset has no held-out split."""
         meta = sft_loader.read_sft_metadata(self.sft.root)

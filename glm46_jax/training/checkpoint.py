@@ -85,8 +85,8 @@ def _others_from_tree(restored: dict[str, Any], target: dict[str, Any], meta: di
         params, buffers = jax.tree.map(lambda x: x, in_order[:2])  # copies of the structure
         nnx.replace_by_pure_dict(params, restored[name]["params"])
         nnx.replace_by_pure_dict(buffers, restored[name]["buffers"])
-        placed = pipeline.placed_like((params, buffers, restored[name]["opt_state"]),
-                                      (m.params, m.buffers, m.opt_state), cfg)
+        placed = pipeline.in_slot_order((params, buffers, restored[name]["opt_state"]), cfg,
+                                        like=(m.params, m.buffers, m.opt_state))
         out[name] = m.replace(params=placed[0], buffers=placed[1], opt_state=placed[2])
     return out
 
@@ -224,8 +224,8 @@ class Checkpointer:
         params, buffers = jax.tree.map(lambda x: x, in_order[:2])  # copies of the structure
         nnx.replace_by_pure_dict(params, r["model"]["params"])
         nnx.replace_by_pure_dict(buffers, r["model"]["buffers"])
-        params, buffers, opt_state = pipeline.placed_like((params, buffers, r["optimizer"]["opt_state"]),
-                                                          (target.params, target.buffers, target.opt_state), cfg)
+        params, buffers, opt_state = pipeline.in_slot_order((params, buffers, r["optimizer"]["opt_state"]), cfg,
+                                                            like=(target.params, target.buffers, target.opt_state))
         state = target.replace(step=r["optimizer"]["step"], params=params, buffers=buffers, opt_state=opt_state)
         if target.others:
             state = state.replace(others=_others_from_tree(r["others"], target.others, meta))
@@ -351,4 +351,4 @@ def restore_model(step_dir: str, params: nnx.State, buffers: nnx.State) -> tuple
     params, buffers = jax.tree.map(lambda x: x, in_order)  # new containers, the caller's left as they are
     nnx.replace_by_pure_dict(params, restored["params"])
     nnx.replace_by_pure_dict(buffers, restored["buffers"])
-    return pipeline.placed_like((params, buffers), wanted, cfg)
+    return pipeline.in_slot_order((params, buffers), cfg, like=wanted)

@@ -225,11 +225,11 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cf
     def balance(buffers, metrics, ctrl, applied):
         # Balancing uses this step's loads; a skipped step moves nothing.
         rate = jnp.where(applied, ctrl["bias_rate"], 0.0)
-        loads = {**metrics, "expert_load": pipeline.in_stored_order(metrics["expert_load"], cfg)} \
+        loads = {**metrics, "expert_load": pipeline.in_slot_order(metrics["expert_load"], cfg)} \
             if "expert_load" in metrics else metrics
         buffers = balancing.update_buffers(buffers, loads, rate, include_mtp=step_cfg.balance_mtp)
         extra = dict(balancing.describe_loads(metrics))
-        bias_stats = balancing.bias_stats(pipeline.layer_ordered(buffers, cfg))  # identity slots left out
+        bias_stats = balancing.bias_stats(pipeline.in_layer_order(buffers, cfg))  # identity slots left out
         extra.update({f"bias_{k}": v for k, v in bias_stats.items()})
         extra.update(ppl=jnp.exp(metrics["ce"]), mtp_weight=ctrl["mtp_weight"], bias_rate=rate)
         return buffers, extra

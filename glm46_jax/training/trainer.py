@@ -42,10 +42,18 @@ from glm46_jax.training import checkpoint, metrics
 _END_WINDOW = 10  # "end loss" = mean over this many final steps: one noisy batch says little
 
 
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A stretch of the run with one train step program (compiled per batch shape). Pre-training's segments are its
+    curriculum phases (`data.curriculum.Phase`, the same fields); SFT and RL runs are one segment each."""
+    name: str
+    seq_len: int
+
+
 @dataclasses.dataclass
 class StepInput:
     """One step's work, prepared by the recipe while the previous step runs."""
-    segment: Any  # what selects the compiled program: a curriculum phase, an SFT stage, ... (has `.name`)
+    segment: Any  # what selects the compiled program: a `Segment` (or a curriculum `Phase`; has `.name`)
     batch: dict[str, jax.Array]  # global arrays on the mesh
     controls: dict[str, jax.Array]  # host-scheduled scalars the step reads (loss weights, rates, max_loss)
     tokens_seen: int  # by the run, after this batch

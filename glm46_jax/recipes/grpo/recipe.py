@@ -48,14 +48,12 @@ from glm46_jax.recipes.grpo.step import StepSettings, completion_logprobs, make_
 from glm46_jax.run_config import RLConfig, RunConfig
 from glm46_jax.training import checkpoint, models
 from glm46_jax.training.step import TrainState, with_frozen
-from glm46_jax.training.trainer import StepInput
+from glm46_jax.training.trainer import Segment, StepInput
 
 
 @dataclasses.dataclass(frozen=True)
-class Segment:
-    """The run's one segment; `stats` are the rollout's metrics, logged with the steps trained on it."""
-    name: str
-    seq_len: int
+class RolloutSegment(Segment):
+    """The run's one segment, with the latest rollout's metrics (`stats`), logged with the steps trained on it."""
     stats: tuple[tuple[str, float], ...] = dataclasses.field(default=(), compare=False)
 
 
@@ -159,10 +157,10 @@ class GRPO(RecipeBase):
                         pad_id=pad, prompt_len=self.rl.max_prompt_len,
                         record_routing=self.rl.routing_replay and temperature > 0)
 
-    def segment(self) -> Segment:
-        return Segment(f"grpo_{self.rl.method}", self.seq_len, self.stats)
+    def segment(self) -> RolloutSegment:
+        return RolloutSegment(f"grpo_{self.rl.method}", self.seq_len, self.stats)
 
-    def current_segment(self) -> Segment:
+    def current_segment(self) -> RolloutSegment:
         return self.segment()
 
     def whole_params(self, params: nnx.State) -> nnx.State:
@@ -182,7 +180,7 @@ class GRPO(RecipeBase):
         return make_grpo_step(self.main.graphdef, self.main.tx, self.settings, lr_schedule=self.main.lr_schedule,
                               name="policy")
 
-    def describe(self, segment: Segment) -> dict[str, float]:
+    def describe(self, segment: RolloutSegment) -> dict[str, float]:
         return dict(segment.stats)
 
     def extra_meta(self) -> dict[str, Any]:

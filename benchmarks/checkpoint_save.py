@@ -26,7 +26,7 @@ from ml_collections import config_flags
 from glm46_jax import cli
 from glm46_jax.recipes.pretrain import build
 from glm46_jax.run_config import from_config_dict
-from glm46_jax.training.bench import git_commit
+from glm46_jax.bench import git_commit
 from glm46_jax.training.checkpoint import Checkpointer
 
 _SAVES = flags.DEFINE_integer("saves", 5, "Saves timed per mode.")

@@ -20,7 +20,7 @@ import time
 from absl import flags
 
 from glm46_jax.data.loader import LoaderConfig, training_batches
-from glm46_jax.training.bench import git_commit
+from glm46_jax.bench import git_commit
 
 SHAPES = (  # (name, seq_len, rows, pack)
     ("tiny general", 128, 16, "concat"),

@@ -35,7 +35,7 @@ import numpy as np
 from glm46_jax.infer import generate as gen
 from glm46_jax.infer import speculative as spec
 from glm46_jax.parallel import sharding
-from glm46_jax.training.bench import git_commit
+from glm46_jax.bench import git_commit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "RESULTS.md")

@@ -44,7 +44,7 @@ from glm46_jax.config import TINY  # noqa: E402
 from glm46_jax.model.attention import _xla_attention, attention_mask, context_parallel_attention  # noqa: E402
 from glm46_jax.model.blockwise_attention import blockwise_attention  # noqa: E402
 from glm46_jax.parallel import sharding  # noqa: E402
-from glm46_jax.training.bench import git_commit  # noqa: E402
+from glm46_jax.bench import git_commit  # noqa: E402
 
 GIB = 2 ** 30
 

@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/lora_memory.py                        # glm45_air and glm45, ranks 16 / 64
     PYTHONPATH=. python benchmarks/lora_memory.py --presets glm46 --ranks 8,128 --experts per_expert
 
-Nothing is allocated: the full model's figures are `glm46_jax.parallel.plan`'s (Muon momentum + AdamW moments, fp32,
+Nothing is allocated: the full model's figures are `glm46_jax.plan`'s (Muon momentum + AdamW moments, fp32,
 and gradients of every weight in its dtype), summed over the whole model (divide by the devices that shard them). The
 LoRA figures count the adapters `glm46_jax.model.lora` would attach for `--targets` (each A [*lead, *in, r] and
 B [*lead, r, *out], shaped from the weight it adapts) with AdamW's two fp32 moments and fp32 gradients; the frozen
@@ -22,7 +22,7 @@ from flax import nnx
 from glm46_jax.config import get_preset
 from glm46_jax.model import abstract_model, lora
 from glm46_jax.parallel import sharding
-from glm46_jax.parallel.plan import plan
+from glm46_jax.plan import plan
 
 GB = 1e9
 

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from glm46_jax.config import TINY
 from glm46_jax.model.experts import block_layout, expert_capacity, local_experts
 from glm46_jax.model.moe import route
-from glm46_jax.training.bench import git_commit
+from glm46_jax.bench import git_commit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "RESULTS.md")

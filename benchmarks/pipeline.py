@@ -35,7 +35,7 @@ import numpy as np
 from glm46_jax.config import TINY
 from glm46_jax.model import init_model, pipeline
 from glm46_jax.parallel import sharding
-from glm46_jax.training.bench import git_commit
+from glm46_jax.bench import git_commit
 from glm46_jax.training.loss import loss_fn
 
 CFG = TINY.replace(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=9,

@@ -12,7 +12,7 @@ top-4 + 1 shared, expert width 128, dense width 768, vocab 8192, no MTP), fp32, 
     clip_grad_norm_(1.0), `torch.optim.AdamW` (the HF trainer's default optimizer), zero_grad. Its router has no
     aux loss and no bias update; experts and attention run through whatever transformers picks by default
     (the report names them).
-  * glm46_jax's real train step (`glm46_jax.training.bench.bench`, i.e. `pretrain.build` + `train_step`):
+  * glm46_jax's real train step (`glm46_jax.bench.bench`, i.e. `pretrain.build` + `train_step`):
     configs/pretrain.py's tiny preset with the model fields overridden to `ANCHOR`, loss.mtp off, moe_capacity_factor 0 (dropless),
     one CPU device. Variants: "muon" = the default optimizer (Muon on the hidden matrices + AdamW on embedding,
     lm_head, router, norms and biases), "adamw" = optim.algorithm "adamw" (AdamW on every leaf, HF's side's
@@ -165,7 +165,7 @@ def jax_config(variant: str):
 def jax_run(variant: str, warmup: int, steps: int) -> dict:
     import jax
 
-    from glm46_jax.training.bench import bench
+    from glm46_jax.bench import bench
 
     cpu0 = time.process_time()
     r = bench(jax_config(variant), steps=steps, warmup=warmup, devices=jax.devices()[:1])
@@ -198,13 +198,13 @@ def main() -> None:
     if args.cores:  # before jax or the HF worker start: XLA's thread pool and torch size themselves from it
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])
     cores = len(os.sched_getaffinity(0))
-    from glm46_jax.parallel import host
+    from glm46_jax import host
 
     host_settings = host.configure_cpu()  # glm46_jax's CPU start-up, as its CLIs do (the HF worker gets none of it)
 
     import jax
 
-    from glm46_jax.training.bench import git_commit
+    from glm46_jax.bench import git_commit
 
     tokens = BATCH * SEQ
     load_before = os.getloadavg()
@@ -259,7 +259,7 @@ def main() -> None:
           f"{load_before[0]:.1f} -> {load_after[0]:.1f}); commit {facts['commit']}; jax {facts['jax']}; command "
           f"`.venv/bin/python benchmarks/vs_transformers.py --rounds {args.rounds} --steps {args.steps} "
           f"--warmup {args.warmup} --variants {','.join(variants)} --cores {args.cores}`. Median over rounds; "
-          "`vs HF` is the median of per-round ratios. glm46_jax's CPU host settings (`glm46_jax.parallel.host`): "
+          "`vs HF` is the median of per-round ratios. glm46_jax's CPU host settings (`glm46_jax.host`): "
           f"{'; '.join(host_settings) or 'none'}.\n")
     print("| system | tokens/s | step (ms) | vs HF | tokens/s per round |\n|---|---|---|---|---|")
     for r in rows:

@@ -5,7 +5,7 @@
     meta = write_sft_dataset(out, tok_info, chats, options)         # <out>/<split>/*.npy + metadata.json
 
 Each line is {"messages": [...], "tools": [...] (optional), "enable_thinking": bool (optional)}; other keys are
-ignored. Messages go through `glm46_jax.infer.chat` (its parsing, its renderer, its assistant mask). Which assistant
+ignored. Messages go through `glm46_jax.interop.chat` (its parsing, its renderer, its assistant mask). Which assistant
 turns a sample trains, and how an over-long sample is cut, is docs/sft.md#samples-per-conversation and
 docs/sft.md#truncation. Nothing here imports jax.
 """
@@ -28,7 +28,7 @@ from data_prep import shards
 from data_prep.tokenizer import TokenizerInfo
 from glm46_jax import atomic
 from glm46_jax.cli import InputError
-from glm46_jax.infer import chat
+from glm46_jax.interop import chat
 
 METADATA_VERSION = 1
 SPLITS = shards.SPLITS

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from glm46_jax.infer.chat import CHAT_MARKUP_TOKENS, CHAT_TOKENS
+from glm46_jax.interop.chat import CHAT_MARKUP_TOKENS, CHAT_TOKENS
 
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"

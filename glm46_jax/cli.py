@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from glm46_jax.parallel import host
+from glm46_jax import host
 
 
 class InputError(ValueError):
@@ -164,6 +164,12 @@ def check_range(section: str, obj: Any, field: str, *, gt: float | None = None, 
     ok = ((gt is None or value > gt) and (ge is None or value >= ge)
           and (lt is None or value < lt) and (le is None or value <= le))
     check_field(section, field, value, ok, why, fix)
+
+
+def check_at_least(section: str, obj: Any, minimum: float, *fields: str, meaning: str = "") -> None:
+    """Each of `obj`'s `fields` is a number >= `minimum`."""
+    for field in fields:
+        check_range(section, obj, field, ge=minimum, meaning=meaning)
 
 
 def check_choice(section: str, obj: Any, field: str, allowed: tuple[Any, ...], why: str = "") -> None:

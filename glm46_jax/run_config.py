@@ -22,45 +22,17 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from glm46_jax.cli import InputError, check_choice, check_field, check_known_fields, check_range
+from glm46_jax.cli import InputError, check_at_least, check_choice, check_field, check_known_fields, check_range
 from glm46_jax.config import ModelConfig, model_config_from_dict
 from glm46_jax.data import curriculum as curriculum_lib
 from glm46_jax.data.curriculum import Curriculum
 from glm46_jax.model.lora import LoRAConfig
+from glm46_jax.parallel.distributed import DistributedConfig
 from glm46_jax.parallel.sharding import MESH_AXES
 from glm46_jax.training.balancing import BalanceConfig
 from glm46_jax.training.loss import LossConfig
 from glm46_jax.training.optim import OptimConfig
-
-
-def _at_least(section: str, obj: Any, minimum: float, *fields: str, meaning: str = "") -> None:
-    for field in fields:
-        check_range(section, obj, field, ge=minimum, meaning=meaning)
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 0  # 0 = until the curriculum's tokens are spent
-    seed: int = 0
-    log_every: int = 50
-    eval_every: int = 500  # 0 = no periodic eval (every phase still ends with one)
-    eval_batches: int = 8
-    eval_per_domain: bool = False  # also eval/<domain>/ce for each domain of a phase's mixture, alone
-    accum_steps: int = 1  # micro-batches per step (every phase's batch must divide by it)
-    bad_steps: str = "skip"  # skip | rollback
-    max_nonfinite: int = 10  # "skip": stop after this many bad steps in a row
-    rollback_after: int = 3  # "rollback": restore the last checkpoint after this many in a row
-    spike_factor: float = 0.0  # a loss above factor x its running mean is a bad step; 0 = off
-    spike_warmup: int = 10  # steps of the running mean before spike_factor applies
-    tensorboard: bool = True
-
-    def __post_init__(self):
-        _at_least("train", self, 0, "steps", meaning="0 = until the curriculum's tokens are spent")
-        _at_least("train", self, 0, "eval_every", meaning="0 = no periodic eval")
-        _at_least("train", self, 0, "spike_factor", meaning="0 = off; else a multiple of the running mean loss")
-        _at_least("train", self, 0, "seed", "spike_warmup")
-        _at_least("train", self, 1, "log_every", "eval_batches", "accum_steps", "max_nonfinite", "rollback_after")
-        check_choice("train", self, "bad_steps", ("skip", "rollback"))
+from glm46_jax.training.trainer import TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +46,8 @@ class CheckpointConfig:
     init_from: str = ""  # a run dir / checkpoint (e.g. from `convert hf-to-ckpt`) whose weights start a new run
 
     def __post_init__(self):
-        _at_least("checkpoint", self, 1, "every")
-        _at_least("checkpoint", self, 0, "keep", meaning="0 keeps all")
+        check_at_least("checkpoint", self, 1, "every")
+        check_at_least("checkpoint", self, 0, "keep", meaning="0 keeps all")
         check_choice("checkpoint", self, "resume", ("auto", "never"))
         check_field("checkpoint", "best_metric", self.best_metric, self.best_metric.startswith("eval/"),
                     "must name a held-out metric (eval/ce, or eval/<domain>/ce with train.eval_per_domain)",
@@ -95,8 +67,8 @@ class DataConfig:
     process_split: str = "documents"
 
     def __post_init__(self):
-        _at_least("data", self, 0, "seed", "num_workers")
-        _at_least("data", self, 1, "read_threads")
+        check_at_least("data", self, 0, "seed", "num_workers")
+        check_at_least("data", self, 1, "read_threads")
         check_choice("data", self, "process_split", ("documents", "rows"))
 
 
@@ -112,9 +84,9 @@ class SFTConfig:
     num_workers: int = 0
 
     def __post_init__(self):
-        _at_least("sft", self, 2, "seq_len")
-        _at_least("sft", self, 1, "global_batch")
-        _at_least("sft", self, 0, "num_workers")
+        check_at_least("sft", self, 2, "seq_len")
+        check_at_least("sft", self, 1, "global_batch")
+        check_at_least("sft", self, 0, "num_workers")
         check_range("sft", self, "epochs", gt=0, meaning="passes over the train split (used when train.steps=0)")
         check_choice("sft", self, "pack", ("best_fit", "first_fit"))
         check_choice("sft", self, "method", ("lora", "full"), "lora: adapters on frozen weights; full: all weights")
@@ -170,7 +142,7 @@ class RLConfig:
         for f in ("group_size", "prompts_per_step", "minibatches", "epochs", "rollouts", "max_prompt_len",
                   "max_new_tokens", "curriculum_buckets", "code_memory_mb", "eval_batch"):
             check_range("rl", self, f, ge=1)
-        _at_least("rl", self, 0, "max_refill_rounds", "kl_coef", "adv_eps")
+        check_at_least("rl", self, 0, "max_refill_rounds", "kl_coef", "adv_eps")
         check_range("rl", self, "temperature", gt=0, meaning="sampling temperature (the trainer divides logits "
                     "by it too, so the log-probs agree)")
         check_range("rl", self, "clip_low", ge=0, le=1)
@@ -216,44 +188,6 @@ class MeshConfig:
 
     def sizes(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in MESH_AXES}
-
-
-@dataclasses.dataclass(frozen=True)
-class DistributedConfig:
-    mode: str = "auto"  # auto: explicit settings, else Slurm's srun environment, else one process | off
-    coordinator: str = ""
-    num_processes: int = 0
-    process_id: int = -1
-    local_device_ids: str = ""  # "0,1": this process's devices (default: all visible)
-    initialization_timeout_s: int = 300
-    heartbeat_timeout_s: int = 100
-    shutdown_timeout_s: int = 60
-
-    def __post_init__(self):
-        check_choice("distributed", self, "mode", ("auto", "off"),
-                     "auto: explicit settings, else Slurm, else one process; off: always one process")
-        _at_least("distributed", self, 0, "num_processes")
-        _at_least("distributed", self, 1, "initialization_timeout_s", "heartbeat_timeout_s", "shutdown_timeout_s")
-        given = {"coordinator": bool(self.coordinator), "num_processes": self.num_processes > 0,
-                 "process_id": self.process_id >= 0}
-        if any(given.values()) and not all(given.values()):
-            raise InputError(f"distributed: {[k for k, v in given.items() if not v]} must be set together with "
-                             f"{[k for k, v in given.items() if v]} (or none of them, for Slurm auto-detection)")
-        ids = [v.strip() for v in self.local_device_ids.split(",") if v.strip()]
-        check_field("distributed", "local_device_ids", self.local_device_ids, all(v.isdigit() for v in ids),
-                    "expected comma-separated device numbers, e.g. 0,1", "set --config.distributed.local_device_ids")
-        if all(given.values()):
-            check_field("distributed", "process_id", self.process_id, self.process_id < self.num_processes,
-                        f"must be in [0, num_processes={self.num_processes})", "set --config.distributed.process_id")
-
-    @property
-    def explicit(self) -> bool:
-        return self.num_processes > 0
-
-    @property
-    def device_ids(self) -> tuple[int, ...] | None:
-        """`local_device_ids` as numbers; None = every device this host sees."""
-        return tuple(int(v) for v in self.local_device_ids.split(",") if v.strip()) or None
 
 
 @dataclasses.dataclass(frozen=True)

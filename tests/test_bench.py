@@ -7,7 +7,7 @@ import os
 import jax
 import pytest
 
-from glm46_jax.training.bench import _table, bench
+from glm46_jax.bench import _table, bench
 from glm46_jax.cli import InputError
 from glm46_jax.config import get_preset
 from glm46_jax.model.counting import flops_per_token

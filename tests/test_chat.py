@@ -1,4 +1,4 @@
-"""GLM-4.5/4.6 chat format (glm46_jax.infer.chat): the built-in renderer and our shipped Jinja template give the token ids
+"""GLM-4.5/4.6 chat format (glm46_jax.interop.chat): the built-in renderer and our shipped Jinja template give the token ids
 transformers' apply_chat_template gives with the released template (fixtures from make_chat_fixtures.py); the
 assistant mask covers exactly the hand-written assistant output; HF directories' templates are read and used;
 exports carry the template and the chat stop ids; bad chat input is a one-line InputError."""
@@ -14,7 +14,7 @@ from conftest import FIXTURES
 from tokenizers import Tokenizer
 
 from data_prep import tokenizer as data_tokenizer
-from glm46_jax.infer import chat
+from glm46_jax.interop import chat
 from glm46_jax.training import checkpoint
 from glm46_jax.interop import convert
 from glm46_jax.cli import InputError

@@ -244,7 +244,7 @@ def test_long_phase_on_context_shards_trains_and_resumes_exactly(tmp_path, sampl
 # --- the plan tool -------------------------------------------------------------------------------------------
 
 def test_plan_attention_memory_by_implementation_and_context():
-    from glm46_jax.parallel import plan as plan_lib
+    from glm46_jax import plan as plan_lib
 
     cfg = dataclasses.replace(TINY, remat="none", num_nextn_predict_layers=0, attention_block_q=64,
                               attention_block_kv=32)
@@ -270,7 +270,7 @@ def test_plan_attention_memory_by_implementation_and_context():
 
 
 def test_plan_fits_glm45_32k_and_128k_on_2048_h100s_with_the_preset_mesh(capsys):
-    from glm46_jax.parallel import plan as plan_lib
+    from glm46_jax import plan as plan_lib
 
     config = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "pretrain.py")
     for seq in (32768, 131072):

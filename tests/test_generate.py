@@ -274,7 +274,7 @@ def _padded_vocab(model, vocab):
 def test_chat_cli_renders_the_template_and_stops_at_turn_ends(chat_hf_dir, monkeypatch):
     from tokenizers import Tokenizer
 
-    from glm46_jax.infer import chat
+    from glm46_jax.interop import chat
 
     tok = Tokenizer.from_file(os.path.join(chat_hf_dir, "tokenizer.json"))
     assert sorted(chat.stop_token_ids(tok)) == [1, 5, 7]  # <|endoftext|>, <|user|>, <|observation|> here

@@ -1,4 +1,4 @@
-"""glm46_jax.parallel.host: the CPU start-up settings (docs/performance.md#cpu-host-settings)."""
+"""glm46_jax.host: the CPU start-up settings (docs/performance.md#cpu-host-settings)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from glm46_jax.parallel import host
+from glm46_jax import host
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 
@@ -33,7 +33,7 @@ def test_malloc_settings_of_the_user_are_recognised(env, user_set):
 # but this test must not depend on the host: a VM whose balloon pages out idle memory faults it back in anyway.)
 _HEAP = """
 import re
-from glm46_jax.parallel import host
+from glm46_jax import host
 applied = host.configure_cpu()
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x: jnp.cumsum(jnp.exp(x))[-1])

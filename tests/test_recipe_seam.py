@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from glm46_jax.training import models
+from glm46_jax.recipes import models
 from glm46_jax import run_config, train
 from glm46_jax.parallel import sharding
 from glm46_jax.config import TINY

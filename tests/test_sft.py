@@ -211,7 +211,7 @@ def test_after_sft_generation_ends_its_turn_at_user(tmp_path, base, chats):
     ends an assistant turn, which the loss mask trains), as the template says a turn ends."""
     from tokenizers import Tokenizer
 
-    from glm46_jax.infer import chat
+    from glm46_jax.interop import chat
     from glm46_jax.infer import generate as gen
 
     run_dir = str(tmp_path / "turns")

@@ -5,7 +5,7 @@
 
 What it runs (docs/gpu.md#what-the-gpu-benchmark-reports):
   1. the bf16 matmul peak measured on this device (8192^3, `metrics.measure_matmul_peak`);
-  2. `glm46_jax.training.bench.bench`: the real train step of `configs/pretrain.py:<preset>` (Muon + AdamW, MTP, the
+  2. `glm46_jax.bench.bench`: the real train step of `configs/pretrain.py:<preset>` (Muon + AdamW, MTP, the
      loss-free router's bias update, dropless MoE, remat from the preset) on random tokens -> tokens/s, MFU
      against the datasheet peak (989.4 TFLOP/s on H100/H200 SXM) and against the measured peak, peak memory;
   3. a few more steps under `jax.profiler`, the trace's device ops summed per HLO op and per named scope
@@ -48,7 +48,7 @@ from glm46_jax.model.layers import MLP
 from glm46_jax.model.moe import MoE
 from glm46_jax.parallel import sharding
 from glm46_jax.training import metrics
-from glm46_jax.training.bench import bench, git_commit
+from glm46_jax.bench import bench, git_commit
 
 CONFIG_FILE = os.path.join(ROOT, "configs", "pretrain.py")
 DATASHEET_BF16 = 989.4e12  # H100/H200 SXM dense bf16 (metrics.PEAK_FLOPS_PER_DEVICE): the 989 TFLOP/s

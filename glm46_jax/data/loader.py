@@ -29,8 +29,10 @@ from typing import Any, Literal
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
+from jaxtyping import Array, Int
 
 from glm46_jax.cli import InputError
 from glm46_jax.parallel import sharding
@@ -301,6 +303,26 @@ def _absl_flags_parsed():
         flags.FLAGS.mark_as_parsed()
 
 
+def mtp_labels(targets: Int[Array, "*b s"], mask: Array) -> tuple[Int[Array, "*b s"], Array]:
+    """Labels for the MTP logits: row t predicts the token after targets[t], i.e. targets[t + 1].
+
+    The batch carries targets = inputs shifted by one, so only the last row has no MTP target
+    (from the inputs alone it would be the last two). `roll` wraps, so that row is masked out.
+
+    Row t is valid only where mask[t] and mask[t + 1] both are: the MTP layer reads input t and
+    input t + 1 to predict token t + 2, and all three must be real tokens of one document. mask[t + 1]
+    alone would train the last token of a packed document to predict the next document's second
+    token. No separate segment_ids check is needed: the loader's loss_mask is 1 only where a target
+    is in its input's segment, so mask[t] & mask[t + 1] already means seg[t] == seg[t+1] == seg[t+2].
+    """
+    xp = np if isinstance(targets, np.ndarray) else jnp  # the loader derives them on the host (context layout)
+    if xp is jnp:  # a roll along the row needs it whole (the seq axis is context-sharded, even at size 1)
+        targets, mask = sharding.whole_along(targets, -1), sharding.whole_along(jnp.asarray(mask), -1)
+    s = targets.shape[-1]
+    has_target = xp.arange(s) < s - 1  # leading axes (micro-batches) broadcast
+    return xp.roll(targets, -1, axis=-1), mask & xp.roll(mask, -1, axis=-1) & has_target
+
+
 def to_context_layout(batch: Mapping[str, np.ndarray], context: int) -> dict[str, np.ndarray]:
     """Rows laid out for a sequence split over `context` shards (docs/long_context.md#load-balance): every
     [rows, seq] field permuted by `sharding.load_balanced_order`, plus the MTP layer's inputs and labels
@@ -309,10 +331,6 @@ def to_context_layout(batch: Mapping[str, np.ndarray], context: int) -> dict[str
     """
     if context == 1:
         return dict(batch)
-    from glm46_jax.training.loss import (
-        mtp_labels,  # the one definition of MTP labels (loss pulls in the model: imported late)
-    )
-
     inputs = np.asarray(batch["inputs"])
     mask = np.asarray(batch["loss_mask"]).astype(bool) if "loss_mask" in batch else np.ones(inputs.shape, bool)
     mtp_targets, mtp_mask = mtp_labels(np.asarray(batch["targets"]), mask)

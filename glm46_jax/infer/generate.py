@@ -31,7 +31,7 @@ from jaxtyping import Array, Float, Int
 
 from glm46_jax import cli
 from glm46_jax.cli import InputError
-from glm46_jax.infer import chat
+from glm46_jax.interop import chat
 from glm46_jax.infer.load import Tokenizer, add_model_args, load_model
 
 # Generation, sample, filter_logits, check_request and pad_batch are part of this module's API too.

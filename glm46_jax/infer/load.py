@@ -33,7 +33,7 @@ class Tokenizer:
             tok = Tokenizer.from_file(spec)
         except Exception as e:  # any parse failure means: not a tokenizer.json
             raise InputError(f"{spec}: not a readable tokenizer.json ({e})") from e
-        self.tokenizer = tok  # the tokenizers.Tokenizer itself (what glm46_jax.infer.chat encodes with)
+        self.tokenizer = tok  # the tokenizers.Tokenizer itself (what glm46_jax.interop.chat encodes with)
         self._encode = lambda text: tok.encode(text, add_special_tokens=False).ids
         self._decode = lambda ids: tok.decode(list(ids), skip_special_tokens=False)
 

@@ -36,7 +36,7 @@ from flax import nnx
 from glm46_jax import cli
 from glm46_jax.cli import InputError
 from glm46_jax.config import ModelConfig, model_config_from_dict
-from glm46_jax.infer import chat
+from glm46_jax.interop import chat
 from glm46_jax.interop import hf
 from glm46_jax.model import ExpertBias, abstract_model
 from glm46_jax.model.transformer import MTPLayer

@@ -30,7 +30,46 @@ from collections.abc import Mapping
 import jax
 from absl import logging
 
-from glm46_jax.run_config import DistributedConfig
+from glm46_jax.cli import InputError, check_at_least, check_choice, check_field
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    mode: str = "auto"  # auto: explicit settings, else Slurm's srun environment, else one process | off
+    coordinator: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+    local_device_ids: str = ""  # "0,1": this process's devices (default: all visible)
+    initialization_timeout_s: int = 300
+    heartbeat_timeout_s: int = 100
+    shutdown_timeout_s: int = 60
+
+    def __post_init__(self):
+        check_choice("distributed", self, "mode", ("auto", "off"),
+                     "auto: explicit settings, else Slurm, else one process; off: always one process")
+        check_at_least("distributed", self, 0, "num_processes")
+        check_at_least("distributed", self, 1, "initialization_timeout_s", "heartbeat_timeout_s", "shutdown_timeout_s")
+        given = {"coordinator": bool(self.coordinator), "num_processes": self.num_processes > 0,
+                 "process_id": self.process_id >= 0}
+        if any(given.values()) and not all(given.values()):
+            raise InputError(f"distributed: {[k for k, v in given.items() if not v]} must be set together with "
+                             f"{[k for k, v in given.items() if v]} (or none of them, for Slurm auto-detection)")
+        ids = [v.strip() for v in self.local_device_ids.split(",") if v.strip()]
+        check_field("distributed", "local_device_ids", self.local_device_ids, all(v.isdigit() for v in ids),
+                    "expected comma-separated device numbers, e.g. 0,1", "set --config.distributed.local_device_ids")
+        if all(given.values()):
+            check_field("distributed", "process_id", self.process_id, self.process_id < self.num_processes,
+                        f"must be in [0, num_processes={self.num_processes})", "set --config.distributed.process_id")
+
+    @property
+    def explicit(self) -> bool:
+        return self.num_processes > 0
+
+    @property
+    def device_ids(self) -> tuple[int, ...] | None:
+        """`local_device_ids` as numbers; None = every device this host sees."""
+        return tuple(int(v) for v in self.local_device_ids.split(",") if v.strip()) or None
+
 
 
 @dataclasses.dataclass(frozen=True)

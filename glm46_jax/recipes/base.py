@@ -23,7 +23,7 @@ from glm46_jax.config import ModelConfig
 from glm46_jax.data import loader
 from glm46_jax.model.counting import flops_per_token
 from glm46_jax.run_config import RunConfig
-from glm46_jax.training import models
+from glm46_jax.recipes import models
 from glm46_jax.training.balancing import rate_at
 from glm46_jax.training.loss import mtp_weight_at
 from glm46_jax.training.step import StepConfig, TrainState, controls, make_eval_step, make_train_step

@@ -28,7 +28,7 @@ from glm46_jax.data.loader import LoaderConfig
 from glm46_jax.model import abstract_model
 from glm46_jax.recipes.base import LanguageModeling
 from glm46_jax.run_config import RunConfig
-from glm46_jax.training import models
+from glm46_jax.recipes import models
 from glm46_jax.training.step import TrainState
 from glm46_jax.training.trainer import StepInput
 

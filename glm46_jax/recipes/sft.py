@@ -28,7 +28,7 @@ from absl import logging
 from glm46_jax.data import iterator_state, loader, sft_loader
 from glm46_jax.recipes.base import LanguageModeling, warn_random_start
 from glm46_jax.run_config import RunConfig, SFTConfig
-from glm46_jax.training import models
+from glm46_jax.recipes import models
 from glm46_jax.training.step import TrainState
 from glm46_jax.training.trainer import Segment, StepInput
 

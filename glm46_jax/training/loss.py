@@ -21,14 +21,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from glm46_jax.cli import check_range
 from glm46_jax.config import ModelConfig
+from glm46_jax.data.loader import mtp_labels
 from glm46_jax.model import apply
-from glm46_jax.parallel.sharding import whole_along
 
 # A batch is a dict of [b, s] int arrays: "inputs", "targets" and optionally "loss_mask", "positions",
 # "segment_ids". A batch laid out for a context axis > 1 (`loader.to_context_layout`) also brings the MTP
@@ -127,26 +126,6 @@ def cross_entropy(logits: Float[Array, "b s v"], labels: Int[Array, "b s"],
     mask = _laid_out_like(mask, nll).astype(jnp.float32)
     tokens = mask.sum()
     return jnp.sum(nll * mask) / jnp.maximum(tokens, 1.0), tokens
-
-
-def mtp_labels(targets: Int[Array, "*b s"], mask: Array) -> tuple[Int[Array, "*b s"], Array]:
-    """Labels for the MTP logits: row t predicts the token after targets[t], i.e. targets[t + 1].
-
-    The batch carries targets = inputs shifted by one, so only the last row has no MTP target
-    (from the inputs alone it would be the last two). `roll` wraps, so that row is masked out.
-
-    Row t is valid only where mask[t] and mask[t + 1] both are: the MTP layer reads input t and
-    input t + 1 to predict token t + 2, and all three must be real tokens of one document. mask[t + 1]
-    alone would train the last token of a packed document to predict the next document's second
-    token. No separate segment_ids check is needed: the loader's loss_mask is 1 only where a target
-    is in its input's segment, so mask[t] & mask[t + 1] already means seg[t] == seg[t+1] == seg[t+2].
-    """
-    xp = np if isinstance(targets, np.ndarray) else jnp  # the loader derives them on the host (context layout)
-    if xp is jnp:  # a roll along the row needs it whole (the seq axis is context-sharded, even at size 1)
-        targets, mask = whole_along(targets, -1), whole_along(jnp.asarray(mask), -1)
-    s = targets.shape[-1]
-    has_target = xp.arange(s) < s - 1  # leading axes (micro-batches) broadcast
-    return xp.roll(targets, -1, axis=-1), mask & xp.roll(mask, -1, axis=-1) & has_target
 
 
 def sequence_aux_loss(scores: Float[Array, "*l b s e"], mask: Array, k: int) -> Float[Array, "b"]:

@@ -35,11 +35,36 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
+from glm46_jax.cli import check_at_least, check_choice
 from glm46_jax.parallel import sharding
-from glm46_jax.run_config import TrainConfig
 from glm46_jax.training import checkpoint, metrics
 
 _END_WINDOW = 10  # "end loss" = mean over this many final steps: one noisy batch says little
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 0  # 0 = until the curriculum's tokens are spent
+    seed: int = 0
+    log_every: int = 50
+    eval_every: int = 500  # 0 = no periodic eval (every phase still ends with one)
+    eval_batches: int = 8
+    eval_per_domain: bool = False  # also eval/<domain>/ce for each domain of a phase's mixture, alone
+    accum_steps: int = 1  # micro-batches per step (every phase's batch must divide by it)
+    bad_steps: str = "skip"  # skip | rollback
+    max_nonfinite: int = 10  # "skip": stop after this many bad steps in a row
+    rollback_after: int = 3  # "rollback": restore the last checkpoint after this many in a row
+    spike_factor: float = 0.0  # a loss above factor x its running mean is a bad step; 0 = off
+    spike_warmup: int = 10  # steps of the running mean before spike_factor applies
+    tensorboard: bool = True
+
+    def __post_init__(self):
+        check_at_least("train", self, 0, "steps", meaning="0 = until the curriculum's tokens are spent")
+        check_at_least("train", self, 0, "eval_every", meaning="0 = no periodic eval")
+        check_at_least("train", self, 0, "spike_factor", meaning="0 = off; else a multiple of the running mean loss")
+        check_at_least("train", self, 0, "seed", "spike_warmup")
+        check_at_least("train", self, 1, "log_every", "eval_batches", "accum_steps", "max_nonfinite", "rollback_after")
+        check_choice("train", self, "bad_steps", ("skip", "rollback"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,7 @@ from tokenizers import Tokenizer
 
 from glm46_jax import atomic
 from glm46_jax.cli import InputError
-from glm46_jax.infer import chat
+from glm46_jax.interop import chat
 from glm46_jax.parallel import sharding
 from glm46_jax.recipes.base import RecipeBase, warn_random_start
 from glm46_jax.recipes.grpo import objective
@@ -46,7 +46,8 @@ from glm46_jax.recipes.grpo.rewards import Rewards
 from glm46_jax.recipes.grpo.rollout import Rollout, Sampling, sample_groups, strip_stop, training_rows
 from glm46_jax.recipes.grpo.step import StepSettings, completion_logprobs, make_grpo_step
 from glm46_jax.run_config import RLConfig, RunConfig
-from glm46_jax.training import checkpoint, models
+from glm46_jax.recipes import models
+from glm46_jax.training import checkpoint
 from glm46_jax.training.step import TrainState, with_frozen
 from glm46_jax.training.trainer import Segment, StepInput
 

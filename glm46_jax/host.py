@@ -1,6 +1,6 @@
 """Process-wide CPU settings applied before XLA starts (docs/performance.md#cpu-host-settings).
 
-    from glm46_jax.parallel import host
+    from glm46_jax import host
     host.configure_cpu()          # first thing in a CPU entry point: before any jax device is touched
 
 The CLIs do this in `cli.main_guard` / `cli.run_absl`. The one setting: glibc malloc with one arena, no mmap and

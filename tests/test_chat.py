@@ -1,5 +1,5 @@
-"""GLM-4.5/4.6 chat format (glm46_jax.interop.chat): the built-in renderer and our shipped Jinja template give the token ids
-transformers' apply_chat_template gives with the released template (fixtures from make_chat_fixtures.py); the
+"""GLM-4.5/4.6 chat format (glm46_jax.interop.chat): the built-in renderer and our shipped Jinja template give the
+token ids transformers' apply_chat_template gives with the released template (fixtures from make_chat_fixtures.py); the
 assistant mask covers exactly the hand-written assistant output; HF directories' templates are read and used;
 exports carry the template and the chat stop ids; bad chat input is a one-line InputError."""
 

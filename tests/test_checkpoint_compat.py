@@ -289,8 +289,8 @@ def _hf_tensors(hf_dir: str) -> dict[str, np.ndarray]:
 
 def _released_layout(model: dict, cfg) -> dict[str, np.ndarray]:
     """The saved weights under GLM-4.5's released names and [out, in] layout
-    (docs/architecture.md#hf-checkpoint-layout), spelled out here independently of glm46_jax.interop.hf: the MTP layer is
-    layer num_hidden_layers, with copies of the embedding and head."""
+    (docs/architecture.md#hf-checkpoint-layout), spelled out here independently of glm46_jax.interop.hf: the MTP
+    layer is layer num_hidden_layers, with copies of the embedding and head."""
     p, b = model["params"], model["buffers"]
     d, kd, L = cfg.hidden_size, cfg.first_k_dense_replace, cfg.num_hidden_layers
     out = {"model.embed_tokens.weight": p["embed_tokens"], "model.norm.weight": p["norm"]["weight"],

@@ -254,4 +254,5 @@ def test_unsupported_combinations_are_config_errors():
     graphdef, params, buffers = init_model(TINY.replace(num_hidden_layers=3), one)
     with sharding.use_mesh(one), pytest.raises(ValueError, match="generation runs the layers in order"):
         apply(graphdef, params, buffers, jnp.zeros((8, 1), jnp.int32), jnp.zeros((8, 1), jnp.int32),
-              cache=GenerationCache.zeros(TINY.replace(num_hidden_layers=3), 8, 4), index=0, start=jnp.zeros(8, jnp.int32))
+              cache=GenerationCache.zeros(TINY.replace(num_hidden_layers=3), 8, 4), index=0,
+              start=jnp.zeros(8, jnp.int32))

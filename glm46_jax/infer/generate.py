@@ -35,7 +35,8 @@ from glm46_jax.interop import chat
 from glm46_jax.infer.load import Tokenizer, add_model_args, load_model
 
 # Generation, sample, filter_logits, check_request and pad_batch are part of this module's API too.
-from glm46_jax.infer.sampling import Generation, as_rows, check_request, filter_logits, pad_batch, replicated, sample  # noqa: F401
+from glm46_jax.infer.sampling import (Generation, as_rows, check_request, filter_logits, pad_batch,  # noqa: F401
+                                      replicated, sample)
 from glm46_jax.infer.speculative import generate_speculative, tokens_per_forward
 from glm46_jax.model import GenerationCache, apply
 from glm46_jax.parallel import sharding

@@ -168,7 +168,7 @@ class MetricWriter:
         # Not a with-block: the file stays open across writes and is closed in close().
         self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a" if append else "w")  # noqa: SIM115
         if tensorboard:
-            # Imported here: tensorboardX pulls in protobuf, which `import glm46_jax.training.metrics` should not pay for.
+            # Imported here: tensorboardX pulls in protobuf, which importing this module should not pay for.
             from tensorboardX import SummaryWriter
 
             self._tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))

@@ -12,14 +12,25 @@ if "--xla_backend_optimization_level" not in flags:
 os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import atexit
+import shutil
+import tempfile
+
 import jax
 import pytest
 
 from glm46_jax.parallel import sharding
 
-# The test processes keep no persistent XLA cache (it only adds work that can fail: serialising and reading back
-# executables); the training subprocesses some tests start share one (`JAX_COMPILATION_CACHE_DIR=
-# ~/.cache/glm46_jax/xla`, set by those tests).
+# One persistent XLA cache per test run, shared by its workers (they inherit the directory from the process that
+# starts them) and empty at the start: the same small programs (the tiny model's init, forward and train step)
+# compile in many test files, and each file drops its executables (below), so a later file reads them back instead
+# of compiling again. Per run, not per machine, so `make test` stays a cold measurement. The training subprocesses
+# some tests start keep their own (`JAX_COMPILATION_CACHE_DIR=~/.cache/glm46_jax/xla`, set by those tests).
+if "GLM46_JAX_TEST_XLA_CACHE" not in os.environ:
+    os.environ["GLM46_JAX_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="glm46_jax_test_xla_")
+    atexit.register(shutil.rmtree, os.environ["GLM46_JAX_TEST_XLA_CACHE"], ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", os.environ["GLM46_JAX_TEST_XLA_CACHE"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 

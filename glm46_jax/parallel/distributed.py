@@ -23,6 +23,7 @@ from its last checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import re
 from collections.abc import Mapping
@@ -189,3 +190,22 @@ def initialize(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> 
                  jax.device_count())
     return cluster
 
+
+
+# --- lining processes up ----------------------------------------------------------------------
+
+_barriers = itertools.count()
+BARRIER_TIMEOUT_S = 3600  # how far one process's compile may lag another's (process 0 reads the XLA cache, the rest compile)
+
+
+def barrier(name: str, timeout_s: int = BARRIER_TIMEOUT_S) -> None:
+    """Wait until every process gets here (the coordination service's barrier; nothing with one process).
+    Call it between compiling a program and its first run: on CPU a program's first collective opens a Gloo
+    communicator, which waits only 30 s for the other processes, and process 0 alone reads JAX's persistent
+    compilation cache (the others compile), so it can arrive minutes early. Every process must make the same
+    calls in the same order (the counter keeps the ids unique)."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed as jax_distributed  # the client jax.distributed.initialize made; no public API
+
+    jax_distributed.global_state.client.wait_at_barrier(f"glm46_jax/{name}/{next(_barriers)}", timeout_s * 1000)

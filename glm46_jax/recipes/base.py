@@ -22,6 +22,7 @@ from absl import logging
 from glm46_jax.config import ModelConfig
 from glm46_jax.data import loader
 from glm46_jax.model.counting import flops_per_token
+from glm46_jax.parallel import distributed
 from glm46_jax.run_config import RunConfig
 from glm46_jax.recipes import models
 from glm46_jax.training.balancing import rate_at
@@ -121,6 +122,7 @@ class HeldOut:
             if key not in self.compiled:
                 t0 = time.perf_counter()
                 self.compiled[key] = self.eval_step_for(segment).lower(state, batches[0], ctrl, frozen).compile()
+                distributed.barrier(f"compiled {segment.name} eval step")  # before its first collective
                 logging.info("%s: compiled the eval step for batch %s in %.1f s", segment.name, key[1],
                              time.perf_counter() - t0)
             per_batch = jax.device_get([self.compiled[key](state, b, ctrl, frozen) for b in batches])

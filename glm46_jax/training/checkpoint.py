@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import logging
+from absl import flags, logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
@@ -118,6 +118,13 @@ def _manager(directory: str, every: int = 1, keep: int | None = None, *, async_s
     decision = ocp.checkpoint_managers.AnySavePolicy([
         ocp.checkpoint_managers.FixedIntervalPolicy(max(int(every), 1)),
         ocp.checkpoint_managers.PreemptionCheckpointingPolicy()])
+    if jax.process_count() > 1:
+        # Orbax's barriers (here and at every save) then wait on the coordination service for minutes instead of
+        # being a device all-gather, whose Gloo communicator waits 30 s: one process can trail another by more
+        # than that after a compile (see `distributed.barrier`). Orbax reads the flag only once absl has parsed.
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS(["glm46_jax"], known_only=True)
+        flags.FLAGS.experimental_orbax_use_distributed_barrier = True
     options = ocp.CheckpointManagerOptions(
         save_decision_policy=decision, enable_async_checkpointing=async_save, create=True,
         preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies))

@@ -36,7 +36,7 @@ from absl import logging
 from tqdm import tqdm
 
 from glm46_jax.cli import check_at_least, check_choice
-from glm46_jax.parallel import sharding
+from glm46_jax.parallel import distributed, sharding
 from glm46_jax.training import checkpoint, metrics
 
 _END_WINDOW = 10  # "end loss" = mean over this many final steps: one noisy batch says little
@@ -252,6 +252,7 @@ class Programs:
             t0 = time.perf_counter()
             step = self.recipe.steps_for(inp.segment)
             self.compiled[key] = step.lower(state, inp.batch, inp.controls, self.recipe.frozen).compile()
+            distributed.barrier(f"compiled {inp.segment.name} train step")  # before its first collective
             seconds = time.perf_counter() - t0
             self.compile_s += seconds
             self.timer.exclude(seconds)  # a new segment's compile is not step time

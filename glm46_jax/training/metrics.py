@@ -7,6 +7,7 @@ is `peak_flops` (datasheet) where the chip is known, else `measure_matmul_peak` 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -109,6 +110,12 @@ def mfu(flops_per_token: float, tokens_per_s: float, num_devices: int, peak_per_
     return flops_per_token * tokens_per_s / (num_devices * peak_per_device)
 
 
+@functools.cache
+def _host_matmul_peak() -> float:
+    """Measured once per process: the host does not change between the runs a process makes (a few seconds each)."""
+    return measure_matmul_peak("float32", device=jax.devices("cpu")[0])
+
+
 def system_peak(devices: Sequence[jax.Device]) -> tuple[float | None, str]:
     """(peak FLOP/s of `devices` together, where the number comes from) for MFU.
 
@@ -117,7 +124,7 @@ def system_peak(devices: Sequence[jax.Device]) -> tuple[float | None, str]:
     devices (--xla_force_host_platform_device_count) share the same cores.
     """
     if devices[0].platform == "cpu":
-        return measure_matmul_peak("float32", device=devices[0]), "measured fp32 matmul, host"
+        return _host_matmul_peak(), "measured fp32 matmul, host"
     per_device = peak_flops(devices[0], "bfloat16")
     if per_device is None:
         return None, f"no datasheet peak for {devices[0].device_kind!r}"

@@ -112,7 +112,7 @@ def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
                                  f"data.phases.{p.name}.seq_len", p.seq_len, accum)
                for p in cfg.data.curriculum.phases]
     built = models.build(cfg, devices, [models.ModelSpec("model", cfg.model, init_from=cfg.checkpoint.init_from)],
-                         batches, check_data=lambda: loader.read_metadata(cfg.data.root))
+                         batches)
     d = cfg.data
     rows = {"process_index": 0, "process_count": 1} if d.process_split == "rows" else {}
     loader_cfg = LoaderConfig(root=d.root, seed=d.seed, num_workers=d.num_workers, read_threads=d.read_threads,

@@ -64,8 +64,9 @@ $(VENV)/.installed: pyproject.toml
 # Two pytest workers (pytest-xdist), a test file per worker: most of the suite's time is XLA compiling on CPU,
 # which runs on one core per compile. TEST_WORKERS=0 runs in this process (needed for pdb). A worker that dies
 # (a segfault) ends the run at once: with --dist loadfile, xdist re-queues the dead worker's whole file and, after
-# a replacement worker ran it, waited forever (a CI run hung until its time limit that way).
-XDIST := -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0
+# a replacement worker ran it, waited forever (a CI run hung until its time limit that way). Files go out in the
+# order tests/conftest.py collects them (the longest first), not xdist's most-tests-first.
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0
 test: $(VENV)/.installed
 	@TIMEFORMAT='suite time: %1Rs'; time $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,$(XDIST)) tests $(PYTEST_ARGS)
 

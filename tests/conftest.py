@@ -24,8 +24,8 @@ from glm46_jax.parallel import sharding
 # One persistent XLA cache per test run, shared by its workers (they inherit the directory from the process that
 # starts them) and empty at the start: the same small programs (the tiny model's init, forward and train step)
 # compile in many test files, and each file drops its executables (below), so a later file reads them back instead
-# of compiling again. Per run, not per machine, so `make test` stays a cold measurement. The training subprocesses
-# some tests start keep their own (`JAX_COMPILATION_CACHE_DIR=~/.cache/glm46_jax/xla`, set by those tests).
+# of compiling again. Per run, not per machine, so `make test` stays a cold measurement. The JAX processes tests start
+# use it too (`subprocess_env`).
 if "GLM46_JAX_TEST_XLA_CACHE" not in os.environ:
     os.environ["GLM46_JAX_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="glm46_jax_test_xla_")
     atexit.register(shutil.rmtree, os.environ["GLM46_JAX_TEST_XLA_CACHE"], ignore_errors=True)
@@ -33,6 +33,20 @@ jax.config.update("jax_compilation_cache_dir", os.environ["GLM46_JAX_TEST_XLA_CA
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+
+
+def subprocess_env(devices: int | None = 1, **extra: str) -> dict[str, str]:
+    """The environment of a JAX process a test starts (the training CLI, the multi-process launcher): this run's XLA
+    flags (-O0, as above) with `devices` virtual CPU devices (None: the caller sets the count, as
+    launch/local_multiprocess.sh does per process), and this run's persistent compilation cache, so a later process
+    with the same programs reads them instead of compiling (only process 0 of a multi-process job writes it)."""
+    flags = [f for f in os.environ["XLA_FLAGS"].split() if "device_count" not in f]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags), "PYTHONPATH": ROOT,
+            "JAX_COMPILATION_CACHE_DIR": os.environ["GLM46_JAX_TEST_XLA_CACHE"],
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **extra}
 
 # Every executable XLA:CPU compiles keeps memory mappings for its JIT code and data (~50 for the tiny model's
 # forward) as long as jax's caches hold it, and a pytest worker compiles thousands: one test file alone reached
@@ -54,6 +68,18 @@ def _drop_executables():
 
     jax.clear_caches()
     gc.collect()
+
+
+# The files that take longest (worker-seconds in a `make test` on a 2-core box, 2026-11-26), handed out first: xdist
+# (--dist loadfile --no-loadscope-reorder, Makefile) gives whole files to workers in collection order, so a long file
+# started last would end the run on one worker while the other idles. The rest keep pytest's order after these.
+LONGEST_FIRST = ("test_rl.py", "test_context_parallel.py", "test_resilience.py", "test_pipeline.py",
+                 "test_multiprocess.py", "test_sharding.py", "test_generate.py", "test_lora.py", "test_sft.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order inside a file is kept
 
 
 @pytest.fixture(scope="module", autouse=True)

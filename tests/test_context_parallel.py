@@ -199,16 +199,17 @@ def test_sequence_must_split_into_two_chunks_per_context_shard():
 # --- a long phase trains and resumes on context shards -------------------------------------------------------
 
 def _curriculum_config(run_dir: str, corpus: str, steps: int):
-    """The tiny preset on data 2 x context 4: 4 steps of 2 x 64 rows, then 3 steps of 2 x 4096 best-fit rows at
-    RoPE 1e6 (documents of the sample corpus packed across every chunk boundary)."""
+    """The tiny preset on data 2 x context 4: 4 steps of 2 x 64 rows, then 3 steps of 2 x 1024 best-fit rows at
+    RoPE 1e6 (documents of the sample corpus packed across every chunk boundary). Blocks of 64 tokens, so each
+    context shard's two 128-token chunks span several blocks, as 4K rows do with the default 128."""
     from test_train import load_config
 
     config = load_config("tiny")
     config.run_dir, config.data.root = run_dir, corpus
     config.mesh = {"data": 2, "context": 4}
-    config.model.attention_impl = "blockwise"
+    config.model.update(attention_impl="blockwise", attention_block_q=64, attention_block_kv=64)
     config.data.phases.general.update(tokens=4 * 2 * 64, seq_len=64, global_batch=2)
-    config.data.phases.code_long.update(tokens=3 * 2 * 4096, seq_len=4096, global_batch=2)
+    config.data.phases.code_long.update(tokens=3 * 2 * 1024, seq_len=1024, global_batch=2)
     config.train.update(steps=steps, log_every=1, eval_every=100, eval_batches=1)
     config.checkpoint.update(every=2, async_save=False)
     config.optim.update(warmup_steps=2, decay_steps=7)  # the same schedule for the interrupted run
@@ -232,11 +233,11 @@ def test_long_phase_on_context_shards_trains_and_resumes_exactly(tmp_path, sampl
     assert summary["phases"] == ["general", "code_long"] and int(state.step) == 7
     want = losses(whole)
     assert all(np.isfinite(v) for v in want.values()) and sorted(want) == list(range(1, 8))
-    # The same run stopped after the short phase (a checkpoint at step 4), then resumed (resume=auto) into the 4K one.
+    # The same run stopped after the short phase (a checkpoint at step 4), then resumed (resume=auto) into the long one.
     train(from_config_dict(_curriculum_config(split, sample_corpus, 4)), devices)
     resumed_state, resumed = train(from_config_dict(_curriculum_config(split, sample_corpus, 7)), devices)
     assert resumed["start_step"] == 5
-    assert losses(split) == want  # bit-identical losses, the 4K steps included
+    assert losses(split) == want  # bit-identical losses, the long steps included
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(state.params), jax.tree.leaves(resumed_state.params)):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(path))
 

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import subprocess_env
 from glm46_jax.training import checkpoint
 from glm46_jax.parallel import distributed, sharding
 from glm46_jax.cli import InputError
@@ -110,10 +111,8 @@ def _flags(run_dir: str, corpus: str) -> list[str]:
 
 
 def _launch(n: int, run_dir: str, corpus: str, devices: int, logs: str = "logs") -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(PYTHON=sys.executable, DEVICES_PER_PROCESS=str(devices), LOG_DIR=os.path.join(run_dir, logs),
-               GRACE_S="120", JAX_COMPILATION_CACHE_DIR=os.path.expanduser("~/.cache/glm46_jax/xla"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env = subprocess_env(None, PYTHON=sys.executable, DEVICES_PER_PROCESS=str(devices),
+                         LOG_DIR=os.path.join(run_dir, logs), GRACE_S="120")
     return subprocess.Popen(["bash", LAUNCHER, str(n), *_flags(run_dir, corpus)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

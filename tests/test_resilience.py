@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import subprocess_env
 from glm46_jax.training import checkpoint
 from glm46_jax.parallel import sharding
 from glm46_jax.cli import InputError
@@ -63,10 +64,7 @@ def _config(run_dir: str, corpus: str, steps: int = STEPS):
 
 
 def _train_process(run_dir: str, corpus: str, steps: int = STEPS) -> subprocess.Popen:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-           # the test session's compile cache: later runs of the same shapes skip XLA compilation
-           "JAX_COMPILATION_CACHE_DIR": os.path.expanduser("~/.cache/glm46_jax/xla"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "PYTHONPATH": ROOT}
+    env = subprocess_env(1)  # -O0 and the run's compile cache: later runs of the same shapes skip XLA compilation
     cmd = [sys.executable, "-m", "glm46_jax.train", "--config=configs/pretrain.py:tiny", *_flags(run_dir, corpus, steps)]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

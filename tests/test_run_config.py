@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from conftest import subprocess_env
 from glm46_jax import run_config
 from glm46_jax.cli import InputError
 
@@ -128,7 +129,7 @@ def test_each_config_section_lists_its_dataclass_fields():
 
 
 def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = subprocess_env(1)
     return subprocess.run([sys.executable, "-m", module, *args], check=False, cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
 

@@ -14,7 +14,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import float64_nll
+from conftest import float64_nll, subprocess_env
 
 from glm46_jax.training import checkpoint
 from glm46_jax import cli
@@ -126,9 +126,7 @@ def _flags(overrides):
 
 
 def _process(overrides):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-           "JAX_COMPILATION_CACHE_DIR": os.path.expanduser("~/.cache/glm46_jax/xla"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "PYTHONPATH": ROOT}
+    env = subprocess_env(1)
     cmd = [sys.executable, "-m", "glm46_jax.train", "--config=configs/sft.py:tiny", *_flags(overrides)]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

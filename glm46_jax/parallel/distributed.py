@@ -191,11 +191,10 @@ def initialize(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> 
     return cluster
 
 
-
 # --- lining processes up ----------------------------------------------------------------------
 
 _barriers = itertools.count()
-BARRIER_TIMEOUT_S = 3600  # how far one process's compile may lag another's (process 0 reads the XLA cache, the rest compile)
+BARRIER_TIMEOUT_S = 3600  # how far one process may trail another after a compile (only process 0 reads the cache)
 
 
 def barrier(name: str, timeout_s: int = BARRIER_TIMEOUT_S) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -118,10 +118,8 @@ def load_weights(init_from: str, model_cfg: ModelConfig, mesh: jax.sharding.Mesh
 
 
 def build(cfg: RunConfig, devices: Sequence[jax.Device] | None, specs: Sequence[ModelSpec],
-          batches: Sequence[BatchShape], check_data: Callable[[], Any] | None = None) -> Built:
-    """Mesh -> each model's weights -> (adapters) -> optimizers -> train state. Nothing compiled, no data read
-    beyond `check_data` (e.g. the corpus metadata), run after the mesh checks and before any weights are made:
-    a missing dataset fails in seconds, not after the model is built."""
+          batches: Sequence[BatchShape]) -> Built:
+    """Mesh -> each model's weights -> (adapters) -> optimizers -> train state. Nothing compiled, no data read."""
     if not any(s.trained for s in specs):
         raise ValueError("a recipe needs at least one trained model")
     sizes = sharding.mesh_shape(cfg.mesh.sizes(), len(devices) if devices is not None else jax.device_count())
@@ -132,8 +130,6 @@ def build(cfg: RunConfig, devices: Sequence[jax.Device] | None, specs: Sequence[
     for s in specs:
         if s is not main:
             sharding.validate_mesh(sizes, s.config, rows)
-    if check_data is not None:
-        check_data()
     resuming = cfg.checkpoint.resume == "auto" and bool(checkpoint.saved_steps(cfg.run_dir))
     models, trained, frozen = {}, {}, {}
     for s in specs:

@@ -58,8 +58,8 @@ def _run(cmd: list[str], env: dict, **kw) -> str:
 
 def _flags(heartbeat_s: int = 100) -> list[str]:
     # 8 steps of 8 x 64 rows on data=4: 2 tasks x 2 CPU devices (data only: Gloo's collectives between the tasks
-    # are what a step waits on here). Every process reads the whole batch
-    # (process_split=rows), so the tasks see the batches one process sees.
+    # are what a step waits on here). Every process reads the whole batch (process_split=rows), so the tasks see
+    # the batches one process sees.
     return ["--config.mesh.data=4", "--config.data.process_split=rows",
             "--config.data.phases.general.tokens=4096", "--config.data.phases.general.seq_len=64",
             "--config.data.phases.general.global_batch=8", f"--config.train.steps={STEPS}", "--config.train.log_every=1",
@@ -91,14 +91,14 @@ def _log(run_dir: str, job: str) -> str:
     return open(path).read() if os.path.exists(path) else ""
 
 
-def _wait(predicate, what: str, run_dir: str, job: str, timeout: float = 400):
+def _wait(predicate, what: str, run_dir: str, job: str, timeout: float = 600):
     t0 = time.time()
     while not predicate():
         assert time.time() - t0 < timeout, f"timed out waiting for {what}:\n{_log(run_dir, job)[-4000:]}"
         time.sleep(0.2)
 
 
-def _final(job: str, env: dict, run_dir: str, timeout: float = 400) -> dict[str, str]:
+def _final(job: str, env: dict, run_dir: str, timeout: float = 600) -> dict[str, str]:
     ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
     _wait(lambda: _job(job, env)["JobState"] in ended, f"job {job} to end", run_dir, job, timeout)
     return _job(job, env)

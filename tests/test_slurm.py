@@ -216,19 +216,27 @@ def test_a_stopped_task_fails_the_job_within_the_heartbeat_timeout(slurm_env, sa
 
 def test_the_cluster_script_starts_idempotently_and_stops_without_leftovers(slurm_env):
     """`start` on a running cluster changes nothing; `stop` leaves no daemon; `start` brings it back."""
-    def daemons():
-        out = subprocess.run(["pgrep", "-x", "slurmctld|slurmd|munged|slurmstepd"], capture_output=True, text=True)
-        return sorted(map(int, out.stdout.split()))
+    def alive(pid: str) -> bool:  # not a zombie (an exited daemon's entry until its parent reaps it)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    def daemons():  # pids per name (pgrep matches at most 15 characters of a name, so one name per call)
+        return {name: [p for p in subprocess.run(["pgrep", "-x", name], capture_output=True, text=True).stdout.split()
+                       if alive(p)] for name in ("slurmctld", "slurmd", "munged", "slurmstepd")}
 
     if os.geteuid() != 0:
         pytest.skip("launch/local_slurm.sh start/stop need root")
     env = {**os.environ, "SLURM_LOCAL_DIR": os.path.dirname(slurm_env["SLURM_CONF"])}
     before = daemons()
+    assert all(before[name] for name in ("slurmctld", "slurmd", "munged")), before
     out = _run(["bash", LOCAL_SLURM, "start"], env)
     assert "already running" in out and daemons() == before
     try:
         _run(["bash", LOCAL_SLURM, "stop"], env)
-        assert daemons() == []
+        assert not any(daemons().values()), daemons()
         assert subprocess.run(["bash", LOCAL_SLURM, "status"], env=env, capture_output=True).returncode == 1
     finally:
         _run(["bash", LOCAL_SLURM, "start"], env)

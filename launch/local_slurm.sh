@@ -22,8 +22,7 @@ DAEMONS=(slurmd slurmctld munged)  # stopped in this order
 die() { echo "local_slurm.sh: $*" >&2; exit 2; }
 
 pids_of() {  # the running daemon `$1` that this cluster started (its pid file), if any
-  local f
-  case $1 in munged) f=$DIR/run/munged.pid ;; *) f=$DIR/run/$1.pid ;; esac
+  local f=$DIR/run/$1.pid
   [[ -s $f ]] && kill -0 "$(cat "$f")" 2>/dev/null && cat "$f"
   return 0
 }

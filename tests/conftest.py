@@ -48,6 +48,19 @@ def subprocess_env(devices: int | None = 1, **extra: str) -> dict[str, str]:
             "JAX_COMPILATION_CACHE_DIR": os.environ["GLM46_JAX_TEST_XLA_CACHE"],
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **extra}
 
+def apply_flags(config, flags: list[str]):
+    """A training CLI's `--config.a.b=value` flags applied to its ConfigDict in this process (the same run, in-process),
+    each value converted to the type of the field it replaces (ints for fields that start out empty)."""
+    for flag in flags:
+        path, value = flag.removeprefix("--config.").split("=", 1)
+        *parents, leaf = path.split(".")
+        node = config
+        for name in parents:
+            node = node[name]
+        node[leaf] = type(node[leaf])(value) if leaf in node and node[leaf] is not None else int(value)
+    return config
+
+
 # Every executable XLA:CPU compiles keeps memory mappings for its JIT code and data (~50 for the tiny model's
 # forward) as long as jax's caches hold it, and a pytest worker compiles thousands: one test file alone reached
 # 15,000 mappings. Past the kernel's vm.max_map_count (65,530 by default) the next mmap fails inside XLA and the
@@ -74,7 +87,8 @@ def _drop_executables():
 # (--dist loadfile --no-loadscope-reorder, Makefile) gives whole files to workers in collection order, so a long file
 # started last would end the run on one worker while the other idles. The rest keep pytest's order after these.
 LONGEST_FIRST = ("test_rl.py", "test_context_parallel.py", "test_resilience.py", "test_pipeline.py",
-                 "test_multiprocess.py", "test_slurm.py", "test_sharding.py", "test_generate.py", "test_lora.py", "test_sft.py")
+                 "test_multiprocess.py", "test_slurm.py", "test_sharding.py", "test_generate.py", "test_lora.py",
+                 "test_sft.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,14 +17,14 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import apply_flags, subprocess_env
 
-from conftest import subprocess_env
-from glm46_jax.training import checkpoint
-from glm46_jax.parallel import sharding
 from glm46_jax.cli import InputError
+from glm46_jax.parallel import sharding
 from glm46_jax.recipes.pretrain import build
-from glm46_jax.run_config import from_config_dict
+from glm46_jax.run_config import config_file, from_config_dict
 from glm46_jax.train import train
+from glm46_jax.training import checkpoint
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 # Orbax abandons its read coroutines when a restore of a damaged step fails (tested here on purpose); Python
@@ -46,19 +46,8 @@ def _flags(run_dir: str, corpus: str, steps: int = STEPS) -> list[str]:
 
 def _config(run_dir: str, corpus: str, steps: int = STEPS):
     """The same run as `_flags`, as a ConfigDict (for in-process `build` / `train`)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("pretrain_config", os.path.join(ROOT, "configs", "pretrain.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config("tiny")
-    for flag in _flags(run_dir, corpus, steps):
-        path, value = flag.removeprefix("--config.").split("=", 1)
-        *parents, leaf = path.split(".")
-        node = config
-        for name in parents:
-            node = node[name]
-        node[leaf] = type(node[leaf])(value) if not isinstance(node[leaf], dict) else value
+    config = config_file(os.path.join(ROOT, "configs", "pretrain.py"), "tiny")
+    apply_flags(config, _flags(run_dir, corpus, steps))
     config.mesh = {"data": 1}
     return config
 

@@ -15,8 +15,9 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import ROOT, apply_flags, subprocess_env
+from test_multiprocess import _losses
 
-from conftest import ROOT, subprocess_env
 from glm46_jax.parallel import sharding
 from glm46_jax.training import checkpoint
 
@@ -43,11 +44,16 @@ def slurm_env():
     except subprocess.TimeoutExpired:
         answered = False
     if not answered:
-        why = f"no Slurm cluster answers sinfo (SLURM_CONF={env['SLURM_CONF']}): start one with launch/local_slurm.sh start"
-        if os.environ.get("CI") == "true":
-            pytest.fail(why + " (.ci/run does that before the tests)")
-        pytest.skip(why)
+        _unavailable(f"no Slurm cluster answers sinfo (SLURM_CONF={env['SLURM_CONF']}): start one with "
+                     "launch/local_slurm.sh start (.ci/run does that before the tests)")
     return env
+
+
+def _unavailable(why: str):
+    """Skip, saying why, outside CI; in CI (.ci/run sets CI=true) the cluster is part of the run, so fail."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(why)
+    pytest.skip(why)
 
 
 def _run(cmd: list[str], env: dict, **kw) -> str:
@@ -62,7 +68,8 @@ def _flags(heartbeat_s: int = 100) -> list[str]:
     # the batches one process sees.
     return ["--config.mesh.data=4", "--config.data.process_split=rows",
             "--config.data.phases.general.tokens=4096", "--config.data.phases.general.seq_len=64",
-            "--config.data.phases.general.global_batch=8", f"--config.train.steps={STEPS}", "--config.train.log_every=1",
+            "--config.data.phases.general.global_batch=8", f"--config.train.steps={STEPS}",
+            "--config.train.log_every=1",
             "--config.train.eval_every=100", "--config.train.eval_batches=1", f"--config.checkpoint.every={EVERY}",
             f"--config.optim.decay_steps={STEPS}", "--config.optim.warmup_steps=2",
             f"--config.distributed.heartbeat_timeout_s={heartbeat_s}"]
@@ -102,15 +109,6 @@ def _final(job: str, env: dict, run_dir: str, timeout: float = 600) -> dict[str,
     ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
     _wait(lambda: _job(job, env)["JobState"] in ended, f"job {job} to end", run_dir, job, timeout)
     return _job(job, env)
-
-
-def _losses(run_dir: str) -> dict[int, float]:
-    """The last record per step (a resumed run logs again the steps after its checkpoint)."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return {r["step"]: r["train/loss"] for r in map(json.loads, f) if "train/loss" in r}
 
 
 def _params(run_dir: str) -> list[np.ndarray]:
@@ -158,13 +156,7 @@ def test_two_tasks_train_like_one_process(straight, sample_corpus, tmp_path):
     config = config_file(os.path.join(ROOT, "configs", "pretrain.py"), "tiny")
     with config.unlocked():
         config.run_dir, config.data.root = one, sample_corpus
-        for flag in _flags():
-            path, value = flag.removeprefix("--config.").split("=", 1)
-            *parents, leaf = path.split(".")
-            node = config
-            for name in parents:
-                node = node[name]
-            node[leaf] = type(node[leaf])(value) if leaf in node and node[leaf] is not None else int(value)
+        apply_flags(config, _flags())
     train(from_config_dict(config), jax.devices()[:4])
     want, got = _losses(one), _losses(run_dir)
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
@@ -227,8 +219,8 @@ def test_the_cluster_script_starts_idempotently_and_stops_without_leftovers(slur
         return {name: [p for p in subprocess.run(["pgrep", "-x", name], capture_output=True, text=True).stdout.split()
                        if alive(p)] for name in ("slurmctld", "slurmd", "munged", "slurmstepd")}
 
-    if os.geteuid() != 0:
-        pytest.skip("launch/local_slurm.sh start/stop need root")
+    if os.geteuid() != 0 and not (shutil.which("sudo") and subprocess.run(["sudo", "-n", "true"]).returncode == 0):
+        _unavailable("launch/local_slurm.sh start/stop need root or passwordless sudo")
     env = {**os.environ, "SLURM_LOCAL_DIR": os.path.dirname(slurm_env["SLURM_CONF"])}
     before = daemons()
     assert all(before[name] for name in ("slurmctld", "slurmd", "munged")), before

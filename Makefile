@@ -1,6 +1,6 @@
 # glm46_jax developer entry points.
 #
-#   make venv       create .venv (Python >= 3.12) and install the package with the dev, data and eval extras
+#   make venv       create .venv (Python >= 3.12) and install the package with the dev, data, eval and ray extras
 #   make test       run the test suite on 2 workers (TEST_WORKERS=0: one process; extra pytest flags with
 #                   PYTEST_ARGS="-k router -x")
 #   make data       build the sample corpus data/sample (python -m data_prep sample; offline, < 1 min)
@@ -57,7 +57,7 @@ $(VENV)/.installed: pyproject.toml
 	    echo "error: '$$py -m venv' failed (Debian/Ubuntu: apt-get install python3.X-venv)" >&2; exit 1; }; \
 	fi
 	$(PY) -m pip install -q -U pip
-	$(PY) -m pip install -q -e ".[dev,data,eval]"
+	$(PY) -m pip install -q -e ".[dev,data,eval,ray]"
 	$(PY) -c 'import sys; assert sys.version_info >= (3, 12), sys.version; print("$(VENV):", sys.version.split()[0])'
 	@touch $@
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from data_prep.documents import Document
-
 # Unicode category Cc is exactly U+0000-U+001F and U+007F-U+009F; keep \t and \n (\r is gone by then).
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _TRAILING_SPACE = re.compile(r"[^\S\n]+$", re.MULTILINE)  # any whitespace but the newline, at a line end
@@ -26,20 +24,3 @@ def clean_text(text: str) -> str:
     text = _TRAILING_SPACE.sub("", text)
     text = _BLANK_RUN.sub("\n\n\n", text)  # at most two blank lines in a row
     return text.strip("\n")  # leading indentation of the first line is kept (code)
-
-
-def clean_documents(docs: list[Document]) -> tuple[list[Document], dict[str, dict[str, int]]]:
-    """(non-empty cleaned documents, per-domain counts {documents, changed, empty, kept})."""
-    kept: list[Document] = []
-    stats: dict[str, dict[str, int]] = {}
-    for doc in docs:
-        counts = stats.setdefault(doc.domain, {"documents": 0, "changed": 0, "empty": 0, "kept": 0})
-        counts["documents"] += 1
-        text = clean_text(doc.text)
-        counts["changed"] += text != doc.text
-        if not text.strip():
-            counts["empty"] += 1
-            continue
-        counts["kept"] += 1
-        kept.append(doc if text == doc.text else Document(doc.domain, doc.source, text))
-    return kept, stats

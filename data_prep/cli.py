@@ -1,12 +1,7 @@
-"""`python -m data_prep COMMAND ...`: each stage alone (through document sets) or all at once.
+"""`python -m data_prep COMMAND ...`: the corpus pipeline on a datatrove executor, and the SFT data.
 
-    ingest          --input DOMAIN=SPEC ... --out SET     read inputs (malformed lines reported, not fatal)
-    clean           --docset SET --out SET2               NFC, control characters, whitespace
-    filter          --docset SET --out SET2               quality rules per domain
-    dedup           --docset SET --out SET2               exact + MinHash-LSH near-duplicates, global
-    train-tokenizer --docset SET --out tokenizer.json     byte-level BPE on the train split
-    write           --docset SET --out DIR                tokenize -> ArrayRecord shards + metadata.json
-    pipeline        --input DOMAIN=SPEC ... --out DIR     all of the above, in memory
+    pipeline        --input DOMAIN=SPEC ... --out DIR     read, clean, filter, dedup, tokenize, write (resumable)
+                    [--executor local|slurm|ray]          where the tasks run (pipeline.py, executors.py)
     sample          [--out data/sample]                   the stdlib corpus (code + prose) through `pipeline`
     sft             --input convs.jsonl ... --tokenizer T --out DIR   chats -> SFT samples + loss masks (sft.py)
     sample-sft      [--out data/sample_sft]               the templated sample chats through `sft`
@@ -22,7 +17,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from data_prep import documents, pipeline, report, sample, sample_chats, sft
+from datatrove.io import get_datafolder
+
+from data_prep import executors, pipeline, report, sample, sample_chats, sft
+from data_prep.executors import EXECUTORS
 from data_prep.inputs import ReaderOptions, parse_input
 from data_prep.minhash import MinHashConfig
 from data_prep.quality import parse_rule_override
@@ -83,6 +81,25 @@ def _add_tokenizer(p: Parser) -> None:
                    help="use this tokenizer instead of training a byte-level BPE")
     g.add_argument("--eos-token", default=EOS_TOKEN, help="end-of-document token of --tokenizer")
     _add_vocab(g)
+    g.add_argument("--tokenizer-sample-mb", type=float, default=1024.0,
+                   help="the BPE is trained on about this much of the deduplicated train split (hash-sampled)")
+
+
+def _add_executor(p: Parser) -> None:
+    g = p.add_argument_group("executor (data_prep/README.md#executors)")
+    g.add_argument("--executor", choices=EXECUTORS, default="local", help="where the tasks run (default: local)")
+    g.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="local: worker processes; ray: concurrent tasks (never changes the output)")
+    g.add_argument("--tasks", type=int, default=None,
+                   help="tasks of the per-file stages (default: one per input file, at most 1000)")
+    g.add_argument("--write-tasks", type=int, default=None, help="tasks writing shards (default: --tasks)")
+    g.add_argument("--work", default=None, help="intermediate files (default: OUT/_work); local path or URL")
+    g.add_argument("--partition", default="cpu", help="slurm: partition")
+    g.add_argument("--time", default="04:00:00", help="slurm: time limit per task")
+    g.add_argument("--cpus-per-task", type=int, default=1, help="slurm/ray: CPUs per task")
+    g.add_argument("--mem-per-cpu-gb", type=float, default=2.0, help="slurm/ray: memory per CPU")
+    g.add_argument("--slurm-logs", default=None, help="slurm: log folder (default: WORK/slurm_logs)")
+    g.add_argument("--wait", action="store_true", help="slurm: return when the last job ended, not when queued")
 
 
 def _add_heldout(p: Parser) -> None:
@@ -127,29 +144,18 @@ def build_parser() -> Parser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, about: str, *groups: Callable[[Parser], None], docset: bool = False,
-                out: str = "dataset directory to write", out_default: str | None = None) -> None:
+    def command(name: str, about: str, *groups: Callable[[Parser], None], out: str = "dataset directory to write",
+                out_default: str | None = None) -> None:
         p = sub.add_parser(name, help=about, description=about)
         for add_group in groups:
             add_group(p)
-        if docset:
-            p.add_argument("--docset", required=True, help="input document set (written by a previous stage)")
         p.add_argument("--out", required=out_default is None, default=out_default, help=out)
-        p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (1: in-process)")
 
-    docset_out = "document set directory to write"
-    command("ingest", "read inputs into a document set", _add_inputs, out=docset_out)
-    command("clean", "normalise text", docset=True, out=docset_out)
-    command("filter", "apply the quality rules", _add_filter, docset=True, out=docset_out)
-    command("dedup", "remove exact and near duplicates", _add_dedup, docset=True, out=docset_out)
-    command("train-tokenizer", "train a byte-level BPE on the train split of a document set", _add_vocab,
-            _add_heldout, docset=True, out="tokenizer.json to write")
-    command("write", "tokenize a document set into ArrayRecord shards", _add_tokenizer, _add_write, docset=True)
-    command("pipeline", "ingest, clean, filter, dedup, tokenize and write in one go", _add_inputs, _add_filter,
-            _add_dedup, _add_tokenizer, _add_write)
+    command("pipeline", "read, clean, filter, dedup, tokenize and write, on a datatrove executor", _add_inputs,
+            _add_filter, _add_dedup, _add_tokenizer, _add_write, _add_executor, out="dataset directory or URL")
     command("sample", "build the stdlib corpus (code + prose) and run the pipeline on it", _add_sample,
-            _add_filter, _add_dedup, _add_tokenizer, _add_write, out="dataset directory (default: data/sample)",
-            out_default="data/sample")
+            _add_filter, _add_dedup, _add_tokenizer, _add_write, _add_executor,
+            out="dataset directory (default: data/sample)", out_default="data/sample")
     command("sft", "chat conversations (JSONL) -> SFT samples with assistant loss masks",
             lambda p: _add_sft(p, sample=False))
     command("sample-sft", "generate the sample chats and run `sft` on them", lambda p: _add_sft(p, sample=True),
@@ -194,35 +200,41 @@ def _write(args: argparse.Namespace) -> pipeline.WriteOptions:
 
 
 def _tokenizer(args: argparse.Namespace) -> pipeline.TokenizerOptions:
-    return pipeline.TokenizerOptions(args.tokenizer, args.vocab_size, args.eos_token)
+    return pipeline.TokenizerOptions(args.tokenizer, args.vocab_size, args.eos_token,
+                                     max(1, int(args.tokenizer_sample_mb * 2**20)))
+
+
+def _executor(args: argparse.Namespace) -> pipeline.ExecutorOptions:
+    for name in ("workers", "tasks", "write_tasks", "cpus_per_task"):
+        if (value := getattr(args, name)) is not None and value < 1:
+            raise InputError(f"--{name.replace('_', '-')} {value}: must be >= 1")
+    return pipeline.ExecutorOptions(args.executor, args.workers, args.tasks, args.write_tasks, args.partition,
+                                    args.time, args.cpus_per_task, args.mem_per_cpu_gb, args.slurm_logs)
 
 
 def pipeline_config(args: argparse.Namespace, inputs: tuple[tuple[str, str], ...]) -> pipeline.PipelineConfig:
     reader = _reader(args) if hasattr(args, "text_field") else ReaderOptions()
     return pipeline.PipelineConfig(inputs=inputs, out=args.out, reader=reader, rule_overrides=_rule_overrides(args),
                                    minhash=_minhash(args), tokenizer=_tokenizer(args), write=_write(args),
-                                   workers=args.workers, max_reports=args.max_reports)
+                                   executor=_executor(args), work=args.work, max_reports=args.max_reports)
 
 
 # --- commands -----------------------------------------------------------------------------------------
 
-def _print_dataset(meta: dict[str, Any], run_counts: dict[str, int], out: str, seconds: float) -> None:
+def _print_dataset(meta: dict[str, Any], run: dict[str, Any], out: str, seconds: float) -> None:
     print("\n".join(report.summary_lines(meta)))
-    print(f"wrote {run_counts['shards_written']} shard(s), skipped {run_counts['shards_skipped']} already "
-          f"complete -> {os.path.join(out, 'metadata.json')} ({seconds:.1f} s)")
+    skipped = ", ".join(f"{stage} {n}" for stage, n in run["skipped"].items() if n) or "none"
+    print(f"-> {out.rstrip('/')}/metadata.json ({seconds:.1f} s; tasks already complete and skipped: {skipped}; "
+          f"intermediate files: {run['work']})")
     for line in report.warning_lines(meta):
         print(line, file=sys.stderr)
-
-
-def _print_stage(section: str, stats: dict[str, Any]) -> None:
-    print(f"{section}: {json.dumps(stats[section], sort_keys=True)}")
-    if section == "ingest":
-        print("\n".join(report.malformed_lines(stats["malformed"])))
 
 
 def check_out(out: str, is_file: bool = False) -> None:
     """Fails before the work, not at the first write after it: `out` must be (or be creatable as) a
     writable directory, or for a file, sit in one. Nothing is created here."""
+    if "://" in out:
+        return  # an object store: the first write says whether it is writable
     path = os.path.abspath(out)
     if is_file:
         if os.path.isdir(path):
@@ -259,42 +271,25 @@ def _run_sft(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> None:
     start = time.time()
-    check_out(args.out, is_file=args.command == "train-tokenizer")
+    check_out(args.out)
     if args.command in ("sft", "sample-sft"):
         return _run_sft(args)
-    if args.command in ("pipeline", "sample"):
-        if args.command == "sample":
-            inputs, found = sample.build_sources(args.out, args.max_docs_per_domain)
-            print(f"sample: {found['code_candidates']} code / {found['prose_candidates']} prose candidates from "
-                  f"{found['stdlib']}; unreadable: {found['unreadable'] or 'none'}")
-        else:
-            inputs = tuple(args.input)
-        meta, counts = pipeline.run_pipeline(pipeline_config(args, inputs))
-        return _print_dataset(meta, counts, args.out, time.time() - start)
-    if args.command == "ingest":
-        docs, domains, stats = pipeline.ingest(tuple(args.input), _reader(args), args.workers, args.max_reports)
-        documents.save_docset(args.out, docs, domains, stats)
-        return _print_stage("ingest", stats)
-
-    docs, domains, stats = documents.load_docset(args.docset)
-    if args.command in ("train-tokenizer", "write"):
-        pipeline.require_documents(docs, domains, stats)
-    if args.command == "train-tokenizer":
-        tok = pipeline.build_tokenizer(docs, pipeline.TokenizerOptions(None, args.vocab_size), args.heldout_fraction)
-        atomic.write_text(args.out, tok.json)
-        return print(f"trained a {tok.vocab_size}-token byte-level BPE -> {args.out}")
-    if args.command == "write":
-        tok = pipeline.build_tokenizer(docs, _tokenizer(args), args.heldout_fraction)
-        meta, counts = pipeline.write_dataset(docs, domains, tok, _write(args), args.out, stats, args.workers)
-        return _print_dataset(meta, counts, args.out, time.time() - start)
-    if args.command == "clean":
-        docs, new = pipeline.clean(docs, args.workers)
-    elif args.command == "filter":
-        docs, new = pipeline.quality_filter(docs, domains, _rule_overrides(args), args.workers)
+    if args.command == "sample":
+        inputs, found = sample.build_sources(args.out, args.max_docs_per_domain)
+        print(f"sample: {found['code_candidates']} code / {found['prose_candidates']} prose candidates from "
+              f"{found['stdlib']}; unreadable: {found['unreadable'] or 'none'}")
     else:
-        docs, new = pipeline.deduplicate(docs, _minhash(args), args.workers)
-    documents.save_docset(args.out, docs, domains, pipeline.merge_stats(stats, new))
-    _print_stage(args.command, new)
+        inputs = tuple(args.input)
+    cfg = pipeline_config(args, inputs)
+    result = executors.run(cfg, wait=args.wait)
+    if cfg.executor.kind == "slurm" and not args.wait:
+        return print(f"submitted Slurm jobs {', '.join(map(str, result['jobs']))}; metadata.json appears in "
+                     f"{args.out} when the last one ends (intermediate files: {result['work']})")
+    with get_datafolder(args.out).open("metadata.json", "r") as f:
+        meta = json.load(f)
+    order = list(dict.fromkeys(domain for domain, _ in inputs))  # the file's keys are sorted; print in input order
+    meta["domains"] = {d: meta["domains"][d] for d in order}
+    return _print_dataset(meta, result, args.out, time.time() - start)
 
 
 def main(argv: list[str] | None = None) -> int:

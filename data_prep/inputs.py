@@ -17,7 +17,10 @@ import glob
 import json
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
+
+import fsspec
 
 from data_prep.documents import Document, Malformed
 
@@ -27,7 +30,7 @@ TFDS_PREFIX = "tfds:"
 _DOMAIN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # it becomes a directory name
 _INSTALL_HINT = "install the data extras: pip install 'glm46_jax[data]'"
 
-ReadResult = tuple[list[Document], list[Malformed]]
+ReadItem = Document | Malformed  # readers yield both, in file order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +78,29 @@ def _files_under(directory: str) -> list[str]:
     return out
 
 
+def _remote_matches(spec: str) -> list[str]:
+    """As `_matches`, for an fsspec URL (s3://..., gs://...): the same rules through the URL's filesystem."""
+    fs, path = fsspec.core.url_to_fs(spec)
+    protocol = spec.split("://", 1)[0]
+    found = sorted(fs.glob(path)) if glob.has_magic(path) else ([path] if fs.exists(path) else [])
+    out = []
+    for match in found:
+        if fs.isdir(match):
+            out += [f for f in sorted(fs.find(match))
+                    if not any(part.startswith(".") for part in f[len(match):].split("/"))]
+        else:
+            out.append(match)
+    return [f"{protocol}://{f}" for f in out]
+
+
+def _matches(spec: str) -> list[str]:
+    """Files named by a path, directory (all files below it, hidden ones skipped) or glob, sorted."""
+    if "://" in spec:
+        return _remote_matches(spec)
+    matches = sorted(glob.glob(spec, recursive=True))
+    return [path for m in matches for path in (_files_under(m) if os.path.isdir(m) else [m])]
+
+
 def expand_inputs(inputs: list[tuple[str, str]], options: ReaderOptions) -> list[ReadTask]:
     """Every (domain, spec) as read tasks, in command-line order then sorted path order (deterministic)."""
     tasks: list[ReadTask] = []
@@ -86,8 +112,7 @@ def expand_inputs(inputs: list[tuple[str, str]], options: ReaderOptions) -> list
             open_tfds(path, options.tfds_data_dir)  # fail now, not in a worker, if it does not exist
             tasks.append(ReadTask(domain, "tfds", path))
             continue
-        matches = sorted(glob.glob(spec, recursive=True))
-        files = [path for m in matches for path in (_files_under(m) if os.path.isdir(m) else [m])]
+        files = _matches(spec)
         if not files:
             raise FileNotFoundError(f"--input {domain}={spec}: no file, directory or glob match "
                                     f"(or only empty directories)")
@@ -98,7 +123,8 @@ def expand_inputs(inputs: list[tuple[str, str]], options: ReaderOptions) -> list
     return tasks
 
 
-def read_task(task: ReadTask, options: ReaderOptions) -> ReadResult:
+def read_task(task: ReadTask, options: ReaderOptions) -> Iterator[ReadItem]:
+    """The task's documents and malformed-input reports, streamed in file order."""
     readers = {"jsonl": read_jsonl, "text": read_text, "parquet": read_parquet, "tfds": read_tfds}
     return readers[task.kind](task.path, task.domain, options)
 
@@ -111,7 +137,7 @@ def _utf8_error(path: str, data: bytes, first_line: int, err: UnicodeDecodeError
 
 
 def _read_bytes(path: str) -> bytes:
-    with open(path, "rb") as f:
+    with fsspec.open(path, "rb") as f:
         data = f.read()
     return data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is not text
 
@@ -137,37 +163,51 @@ def _jsonl_line(raw: bytes, path: str, lineno: int, domain: str, field: str) -> 
     return Document(domain, f"{path}:{lineno}", obj[field])
 
 
-def read_jsonl(path: str, domain: str, options: ReaderOptions) -> ReadResult:
+def read_jsonl(path: str, domain: str, options: ReaderOptions) -> Iterator[ReadItem]:
     """Streams the file line by line (a JSONL file may be far larger than one document)."""
-    docs, bad = [], []
-    with open(path, "rb") as f:
+    held: list[Malformed] = []  # reports before the first document: an all-blank file is one report
+    any_doc = False
+    with fsspec.open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             if lineno == 1:
                 raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is not JSON
             item = _jsonl_line(raw, path, lineno, domain, options.text_field)
-            (docs if isinstance(item, Document) else bad).append(item)
-    if not docs and all(b.kind == "blank_line" for b in bad):
-        return [], [_empty(path)]  # one report for an empty or all-blank file, not one per line
-    return docs, bad
+            if not any_doc and isinstance(item, Malformed):
+                held.append(item)
+                continue
+            if not any_doc:
+                any_doc = True
+                yield from held
+            yield item
+    if not any_doc:
+        yield from ([_empty(path)] if all(b.kind == "blank_line" for b in held) else held)
 
 
-def read_text(path: str, domain: str, options: ReaderOptions) -> ReadResult:
-    data = _read_bytes(path)
-    if not data.strip():
-        return [], [_empty(path)]
-    if not options.text_lines:
+def read_text(path: str, domain: str, options: ReaderOptions) -> Iterator[ReadItem]:
+    if not options.text_lines:  # one document per file: the file is the unit
+        data = _read_bytes(path)
+        if not data.strip():
+            yield _empty(path)
+            return
         try:
-            return [Document(domain, f"{path}:1", data.decode("utf-8"))], []
+            yield Document(domain, f"{path}:1", data.decode("utf-8"))
         except UnicodeDecodeError as err:
-            return [], [_utf8_error(path, data, 1, err)]
-    docs, bad = [], []
-    # Blank lines become empty documents, which `clean` drops and counts as "empty".
-    for lineno, raw in enumerate(data.splitlines(), 1):
-        try:
-            docs.append(Document(domain, f"{path}:{lineno}", raw.decode("utf-8")))
-        except UnicodeDecodeError as err:
-            bad.append(_utf8_error(path, raw, lineno, err))
-    return docs, bad
+            yield _utf8_error(path, data, 1, err)
+        return
+    any_text = False
+    with fsspec.open(path, "rb") as f:
+        # Blank lines become empty documents, which `clean` drops and counts as "empty".
+        for lineno, raw in enumerate(f, 1):
+            raw = raw.rstrip(b"\r\n")
+            if lineno == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")
+            any_text = any_text or bool(raw.strip())
+            try:
+                yield Document(domain, f"{path}:{lineno}", raw.decode("utf-8"))
+            except UnicodeDecodeError as err:
+                yield _utf8_error(path, raw, lineno, err)
+    if not any_text:
+        yield _empty(path)
 
 
 def _value_to_text(value: Any, file: str, line: int, field: str) -> str | Malformed:
@@ -183,30 +223,30 @@ def _value_to_text(value: Any, file: str, line: int, field: str) -> str | Malfor
     return Malformed(file, line, "wrong_type", f"{field!r} is a {type(value).__name__}, not text")
 
 
-def read_parquet(path: str, domain: str, options: ReaderOptions) -> ReadResult:
+def read_parquet(path: str, domain: str, options: ReaderOptions) -> Iterator[ReadItem]:
     try:
         import pyarrow.parquet as pq
     except ImportError as err:
         raise ImportError(f"reading Parquet ({path}) needs pyarrow; {_INSTALL_HINT}") from err
     column = options.parquet_column or options.text_field
-    try:
-        parquet = pq.ParquetFile(path)
-    except Exception as err:  # pyarrow raises several types for a corrupt or non-Parquet file
-        return [], [Malformed(path, 1, "unreadable_parquet", f"{type(err).__name__}: {err}")]
-    if column not in parquet.schema_arrow.names:
-        return [], [Malformed(path, 1, "missing_field", f"no column {column!r}; columns: {parquet.schema_arrow.names}")]
-    if parquet.metadata.num_rows == 0:
-        return [], [_empty(path)]
-    docs, bad, row = [], [], 0
-    for batch in parquet.iter_batches(columns=[column], batch_size=4096):
-        for value in batch.column(0).to_pylist():
-            row += 1
-            text = _value_to_text(value, path, row, column)
-            if isinstance(text, Malformed):
-                bad.append(text)
-            else:
-                docs.append(Document(domain, f"{path}:{row}", text))
-    return docs, bad
+    with fsspec.open(path, "rb") as f:
+        try:
+            parquet = pq.ParquetFile(f)
+        except Exception as err:  # pyarrow raises several types for a corrupt or non-Parquet file
+            yield Malformed(path, 1, "unreadable_parquet", f"{type(err).__name__}: {err}")
+            return
+        if column not in parquet.schema_arrow.names:
+            yield Malformed(path, 1, "missing_field", f"no column {column!r}; columns: {parquet.schema_arrow.names}")
+            return
+        if parquet.metadata.num_rows == 0:
+            yield _empty(path)
+            return
+        row = 0
+        for batch in parquet.iter_batches(columns=[column], batch_size=4096):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                text = _value_to_text(value, path, row, column)
+                yield text if isinstance(text, Malformed) else Document(domain, f"{path}:{row}", text)
 
 
 def open_tfds(name_split: str, data_dir: str | None):
@@ -223,20 +263,17 @@ def open_tfds(name_split: str, data_dir: str | None):
         raise FileNotFoundError(f"{where}: {type(err).__name__}: {err}") from err
 
 
-def read_tfds(name_split: str, domain: str, options: ReaderOptions) -> ReadResult:
+def read_tfds(name_split: str, domain: str, options: ReaderOptions) -> Iterator[ReadItem]:
     source = open_tfds(name_split, options.tfds_data_dir)
     file, field = f"tfds:{name_split}", options.text_field
     if len(source) == 0:
-        return [], [_empty(file)]
-    docs, bad = [], []
+        yield _empty(file)
+        return
     for i in range(len(source)):
         example = source[i]
         if field not in example:  # the same for every example: report once, for the whole split
             message = f"no feature {field!r} (features: {sorted(example)}); none of {len(source)} examples read"
-            return [], [Malformed(file, 1, "missing_field", message)]
+            yield Malformed(file, 1, "missing_field", message)
+            return
         text = _value_to_text(example[field], file, i + 1, field)
-        if isinstance(text, Malformed):
-            bad.append(text)
-        else:
-            docs.append(Document(domain, f"{file}:{i + 1}", text))
-    return docs, bad
+        yield text if isinstance(text, Malformed) else Document(domain, f"{file}:{i + 1}", text)

@@ -1,28 +1,42 @@
-"""The stages as functions over document lists, and `run_pipeline`, which chains them in memory.
+"""The data pipeline as datatrove stages, run by a datatrove executor (local processes, Slurm array jobs or Ray).
 
-    ingest -> clean -> quality_filter -> deduplicate -> build_tokenizer -> write_dataset
+    prepare  (T tasks)   read -> clean -> quality rules -> store + MinHash signatures      steps.py
+    buckets  (B tasks)   datatrove MinhashDedupBuckets, one task per band                  (datatrove)
+    dedup    (1 task)    verify candidates + cluster; shard plan; tokenizer                 dedup.py, shards.py
+    tokenize (T tasks)   stored documents -> datatrove MinhashDedupFilter -> token ids      shards.py
+    write    (W tasks)   the ArrayRecord shards                                             shards.py
+    finalize (1 task)    tokenizer.json + metadata.json (last: present <=> complete)        here
 
-Every stage returns `(documents, stats)`; stats are merged with `merge_stats` and end up, with each
-stage's configuration, in `<out>/metadata.json`. The CLI runs a stage alone by saving/loading the
-document list as a document set (`documents.save_docset`) between commands.
+Every stage's intermediate files live in `<work>/<hash of everything that shapes the output>/` (work.py), and datatrove
+records each finished task there, so re-running the same command skips what is done and a changed configuration
+starts afresh. The dataset does not depend on T or W (tested).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from typing import Any
 
-from data_prep import dedup, minhash, parallel, quality, report, shards
-from data_prep import clean as clean_mod
-from data_prep.documents import Document, by_domain
-from data_prep.inputs import ReaderOptions, expand_inputs, read_task
-from data_prep.tokenizer import EOS_TOKEN, TokenizerInfo, load, trained
+import fsspec
+from datatrove.data import DocumentsPipeline
+from datatrove.io import get_datafolder
+from datatrove.pipeline.base import PipelineStep
+from datatrove.pipeline.dedup.minhash import MinhashDedupBuckets, MinhashDedupFilter
+
+from data_prep import minhash, quality, report, shards, steps
+from data_prep.dedup import VerifyAndCluster
+from data_prep.inputs import ReaderOptions, ReadTask, expand_inputs
+from data_prep.tokenizer import EOS_TOKEN, load
+from data_prep.work import load_json
 from glm46_jax import atomic
 from glm46_jax.cli import InputError
 
 Stats = dict[str, Any]
 METADATA_VERSION = 1
+STAGES = ("prepare", "buckets", "dedup", "tokenize", "write", "finalize")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,175 +57,206 @@ class TokenizerOptions:
     path: str | None = None  # an existing tokenizer.json; None: train a byte-level BPE
     vocab_size: int = 512
     eos_token: str = EOS_TOKEN
+    sample_bytes: int = 1 << 30  # the trained BPE sees at most about this much of the train split
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutorOptions:
+    """How the stages run; never part of the output (any of them gives the same bytes)."""
+
+    kind: str = "local"  # "local" | "slurm" | "ray"
+    workers: int = 1  # local: processes; ray: concurrent tasks
+    tasks: int | None = None  # prepare/tokenize tasks; None: one per input file, at most 1000
+    write_tasks: int | None = None  # None: as many as tasks
+    partition: str = "cpu"  # slurm
+    time: str = "04:00:00"
+    cpus_per_task: int = 1
+    mem_per_cpu_gb: float = 2.0
+    slurm_logs: str | None = None  # None: <work>/slurm_logs
+    job_name: str = "data_prep"
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    inputs: tuple[tuple[str, str], ...]  # (domain, path/glob/dir/tfds:NAME@SPLIT)
+    inputs: tuple[tuple[str, str], ...]  # (domain, path/glob/dir/URL/tfds:NAME@SPLIT)
     out: str
     reader: ReaderOptions = ReaderOptions()
     rule_overrides: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     minhash: minhash.MinHashConfig = minhash.MinHashConfig()
     tokenizer: TokenizerOptions = TokenizerOptions()
     write: WriteOptions = WriteOptions()
-    workers: int = 1  # not part of any output: results are identical for every worker count
+    executor: ExecutorOptions = ExecutorOptions()
+    work: str | None = None  # None: <out>/_work
     max_reports: int = 1000
 
 
-def merge_stats(stats: Stats, new: Stats) -> Stats:
-    """`new` stage sections replace old ones; the per-stage "config" sections accumulate."""
-    return {**stats, **new, "config": {**stats.get("config", {}), **new.get("config", {})}}
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything a run needs that is decided before any task starts."""
+
+    files: list[ReadTask]
+    domains: list[str]
+    rules: dict[str, quality.QualityRules]
+    tasks: int
+    write_tasks: int
+    work: str  # the hashed work folder of this configuration
 
 
-def ingest(inputs: tuple[tuple[str, str], ...], reader: ReaderOptions, workers: int = 1,
-           max_reports: int = 1000) -> tuple[list[Document], list[str], Stats]:
-    """(documents in input order, domain order, stats) -- raises only for inputs that do not exist."""
-    tasks = expand_inputs(list(inputs), reader)
-    domains = list(dict.fromkeys(domain for domain, _ in inputs))
-    per_domain = {d: {"files": 0, "documents": 0, "malformed": 0} for d in domains}
-    docs, bad = [], []
-    results = parallel.imap(read_task, tasks, workers, "read", extra=(reader,))
-    for task, (task_docs, task_bad) in zip(tasks, results, strict=True):
-        add = {"files": 1, "documents": len(task_docs), "malformed": len(task_bad)}
-        report.add_counts(per_domain[task.domain], add)
-        docs += task_docs
-        bad += task_bad
-    config = {"inputs": [list(i) for i in inputs], "reader": dataclasses.asdict(reader)}
-    stats = {"ingest": per_domain, "malformed": report.malformed_section(bad, max_reports),
-             "config": {"ingest": config}}
-    return docs, domains, stats
+def _file_stamp(path: str) -> list:
+    """Size and modification time (or ETag): a re-run after an input file changed must not reuse old tasks."""
+    if path.count("@") and not os.path.exists(path) and "://" not in path:
+        return [path]  # tfds NAME@SPLIT
+    info = fsspec.core.url_to_fs(path)[0].info(path)
+    return [path, info.get("size"), str(info.get("mtime") or info.get("LastModified") or info.get("ETag"))]
 
 
-def clean(docs: list[Document], workers: int = 1) -> tuple[list[Document], Stats]:
-    parts = parallel.map_chunks(clean_mod.clean_documents, docs, workers, "clean")
-    counts: Stats = {}
-    for _, part in parts:
-        report.add_counts(counts, part)
-    return [d for part_docs, _ in parts for d in part_docs], {"clean": counts}
-
-
-def quality_filter(docs: list[Document], domains: list[str], overrides: dict[str, dict[str, Any]],
-                   workers: int = 1) -> tuple[list[Document], Stats]:
-    if unknown := sorted(set(overrides) - set(domains)):
+def make_plan(cfg: PipelineConfig) -> Plan:
+    """Checks what can be checked before any work (inputs exist, rules are valid) and fixes the work folder."""
+    files = expand_inputs(list(cfg.inputs), cfg.reader)
+    domains = list(dict.fromkeys(domain for domain, _ in cfg.inputs))
+    if unknown := sorted(set(cfg.rule_overrides) - set(domains)):
         raise InputError(f"quality rules name domain(s) {unknown} that no --input has; domains: {domains}")
-    rules = {d: quality.rules_for(d, overrides) for d in domains}
-    parts = parallel.map_chunks(quality.filter_documents, docs, workers, "filter", extra=(rules,))
-    counts: Stats = {d: {"documents": 0, "kept": 0, "removed": dict.fromkeys(r.rule_names, 0)}
-                     for d, r in rules.items()}
-    for _, part in parts:
-        report.add_counts(counts, part)
-    config = {d: dataclasses.asdict(r) for d, r in rules.items()}
-    return [d for part_docs, _ in parts for d in part_docs], {"filter": counts, "config": {"filter": config}}
+    rules = {d: quality.rules_for(d, cfg.rule_overrides) for d in domains}
+    tasks = cfg.executor.tasks or min(len(files), 1000)
+    if tasks < 1:
+        raise InputError(f"--tasks {tasks}: must be >= 1")
+    if cfg.tokenizer.path is not None:
+        load(cfg.tokenizer.path, cfg.tokenizer.eos_token)  # a bad tokenizer fails now, not in a task
+    shape = {"files": [[f.domain, f.kind, *_file_stamp(f.path)] for f in files], "tasks": tasks,
+             "config": _config_section(cfg, rules),
+             "tokenizer_sha": load(cfg.tokenizer.path).sha256 if cfg.tokenizer.path else None,
+             "sample_bytes": cfg.tokenizer.sample_bytes, "max_reports": cfg.max_reports}
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    work = f"{(cfg.work or cfg.out.rstrip('/') + '/_work').rstrip('/')}/{digest}"
+    return Plan(files, domains, rules, tasks, cfg.executor.write_tasks or tasks, work)
 
 
-def deduplicate(docs: list[Document], cfg: minhash.MinHashConfig, workers: int = 1) -> tuple[list[Document], Stats]:
-    kept, stats = dedup.deduplicate(docs, cfg, workers)
-    return kept, {"dedup": stats, "config": {"dedup": dataclasses.asdict(cfg)}}
+def _config_section(cfg: PipelineConfig, rules: dict[str, quality.QualityRules]) -> Stats:
+    return {"ingest": {"inputs": [list(i) for i in cfg.inputs], "reader": dataclasses.asdict(cfg.reader)},
+            "filter": {d: dataclasses.asdict(r) for d, r in rules.items()},
+            "dedup": dataclasses.asdict(cfg.minhash),
+            "write": dataclasses.asdict(cfg.write)}
 
 
-def build_tokenizer(docs: list[Document], opts: TokenizerOptions, heldout_fraction: float) -> TokenizerInfo:
-    """Loads `opts.path`, or trains on the *train* split only, so heldout text stays unseen by every
-    learned component."""
-    if opts.path is not None:
-        return load(opts.path, opts.eos_token)
-    texts = shards.split_documents(docs, heldout_fraction)["train"]
-    if not texts:
-        raise InputError(f"every document left after filtering and deduplication fell in the heldout split "
-                         f"(heldout_fraction {heldout_fraction}): none to train a tokenizer on")
-    return trained([d.text for d in texts], opts.vocab_size)
-
-
-def domain_stages(stats: Stats, domain: str) -> Stats:
-    """One domain's counts from every stage so far, keyed as metadata.json lists them under the domain."""
-    entry = {stage: stats.get(stage, {}).get(domain, {}) for stage in ("ingest", "clean", "filter")}
-    entry["dedup"] = stats.get("dedup", {}).get("per_domain", {}).get(domain, {})
-    return entry
-
-
-def require_documents(docs: list[Document], domains: list[str], stats: Stats) -> None:
-    """A domain that lost every document is only a warning (the others still make a dataset); when all
-    of them did, there is no dataset to write, and each domain's counts say which rule or input to fix."""
-    if not docs:
-        reasons = "; ".join(report.empty_domain_reason(d, domain_stages(stats, d)) for d in domains)
-        raise InputError(f"every domain is empty, so no dataset was written: {reasons}")
-
-
-Plan = dict[tuple[str, str], list[shards.ShardTask]]  # (domain, split) -> its shards, in order
-
-
-def plan_dataset(docs: list[Document], domains: list[str], tok: TokenizerInfo, opts: WriteOptions) -> Plan:
-    grouped = by_domain(docs)
-    plan: Plan = {}
-    for domain in domains:
-        for split, split_docs in shards.split_documents(grouped.get(domain, []), opts.heldout_fraction).items():
-            plan[domain, split] = shards.plan_shards(domain, split, split_docs, opts.shard_bytes, tok,
-                                                     opts.writer_options)
-    return plan
-
-
-def dataset_metadata(plan: Plan, results: dict[str, dict[str, Any]], stats: Stats, tok: TokenizerInfo,
-                     opts: WriteOptions, stale: list[str]) -> Stats:
-    """The content of metadata.json (README.md documents every field)."""
-    domains: dict[str, Any] = {}
-    for (domain, split), tasks in plan.items():
-        domains.setdefault(domain, {})[split] = {
-            "documents": sum(results[t.path]["documents"] for t in tasks),
-            "tokens": sum(results[t.path]["tokens"] for t in tasks),
-            "shards": [t.path for t in tasks],
-        }
-    for domain, entry in domains.items():
-        entry.update(domain_stages(stats, domain))
-        entry["empty"] = not any(entry[split]["documents"] for split in shards.SPLITS)
+def stage_pipelines(cfg: PipelineConfig, plan: Plan) -> dict[str, tuple[list, int]]:
+    """{stage: (datatrove pipeline, tasks)}, in run order."""
+    work, dt = plan.work, minhash.datatrove_config(cfg.minhash)
+    tok = cfg.tokenizer
     return {
-        "version": METADATA_VERSION,
-        "record_format": {"dtype": "<i4", "content": "one document's token ids followed by eos_id",
-                          "layout": "<domain>/<split>/shard-{i:05d}-of-{n:05d}.array_record",
-                          "splits": list(shards.SPLITS), "writer_options": opts.writer_options},
-        "domains": domains,
-        "dedup": {k: v for k, v in stats.get("dedup", {}).items() if k != "per_domain"},
-        "malformed": stats.get("malformed", report.malformed_section([], 0)),
-        "tokenizer": tok.metadata(),
-        "config": {**stats.get("config", {}), "tokenizer": {"source": tok.source, "eos_token": tok.eos_token},
-                   "write": dataclasses.asdict(opts)},
-        "stale_shards": stale,
+        "prepare": (steps.first_stage(work, plan.files, cfg.reader, cfg.max_reports, plan.rules, plan.domains,
+                                      cfg.write.heldout_fraction, cfg.minhash), plan.tasks),
+        "buckets": ([MinhashDedupBuckets(f"{work}/sigs", f"{work}/buckets", config=dt)], dt.num_buckets),
+        "dedup": ([VerifyAndCluster(work, cfg.minhash, plan.tasks, plan.domains),
+                   shards.PlanAndTokenizer(work, plan.tasks, plan.domains, cfg.write.shard_bytes, tok.path,
+                                           tok.eos_token, tok.vocab_size, tok.sample_bytes)], 1),
+        "tokenize": ([shards.ReadStored(work), MinhashDedupFilter(f"{work}/remove"), shards.Tokenize(work)],
+                     plan.tasks),
+        "write": ([shards.WriteShards(work, cfg.out, cfg.write.writer_options)], plan.write_tasks),
+        "finalize": ([Finalize(work, cfg.out, _config_section(cfg, plan.rules), tok, cfg.max_reports)], 1),
     }
 
 
-def write_dataset(docs: list[Document], domains: list[str], tok: TokenizerInfo, opts: WriteOptions, out: str,
-                  stats: Stats, workers: int = 1) -> tuple[Stats, dict[str, int]]:
-    """Writes tokenizer.json, every shard (skipping completed ones) and finally metadata.json.
+# --- statistics and metadata -------------------------------------------------------------------------
 
-    Returns (the metadata, {shards_written, shards_skipped}); the counts differ between a fresh run
-    and a resumed one, so they are not part of the (deterministic) metadata file."""
-    require_documents(docs, domains, stats)
-    os.makedirs(out, exist_ok=True)
-    metadata_path = os.path.join(out, "metadata.json")
-    if os.path.exists(metadata_path):
-        os.remove(metadata_path)  # metadata.json present <=> the dataset is complete and consistent
-    atomic.write_text(os.path.join(out, "tokenizer.json"), tok.json)
-
-    plan = plan_dataset(docs, domains, tok, opts)
-    tasks = [t for split_tasks in plan.values() for t in split_tasks]
-    written = parallel.imap(shards.write_shard, tasks, workers, "shards", initializer=shards.init_worker,
-                            initargs=(tok, out, opts.writer_options))
-    results = {t.path: r for t, r in zip(tasks, written, strict=True)}
-
-    stale = shards.stale_shards(out, set(results))
-    meta = dataset_metadata(plan, results, stats, tok, opts, stale)
-    atomic.write_json(metadata_path, meta)
-    skipped = sum(r["skipped"] for r in results.values())
-    return meta, {"shards_written": len(results) - skipped, "shards_skipped": skipped}
+def _summed(folder, block: str) -> list[Stats]:
+    return [load_json(folder, p) for p in sorted(folder.list_files(f"counts/{block}", glob_pattern="*.json"))]
 
 
-def run_pipeline(cfg: PipelineConfig) -> tuple[Stats, dict[str, int]]:
-    """All stages in memory; returns what `write_dataset` returns."""
-    docs, domains, stats = ingest(cfg.inputs, cfg.reader, cfg.workers, cfg.max_reports)
-    docs, new = clean(docs, cfg.workers)
-    stats = merge_stats(stats, new)
-    docs, new = quality_filter(docs, domains, cfg.rule_overrides, cfg.workers)
-    stats = merge_stats(stats, new)
-    docs, new = deduplicate(docs, cfg.minhash, cfg.workers)
-    stats = merge_stats(stats, new)
-    require_documents(docs, domains, stats)
-    tok = build_tokenizer(docs, cfg.tokenizer, cfg.write.heldout_fraction)
-    return write_dataset(docs, domains, tok, cfg.write, cfg.out, stats, cfg.workers)
+def collect_stats(work: str, rules: dict[str, list[str]], max_reports: int) -> Stats:
+    """Per-domain counts of every stage before dedup (as metadata.json lists them under each domain; `rules`: each
+    domain's active rules) and the malformed-input section."""
+    folder = get_datafolder(work)
+    per = {d: {"ingest": {"files": 0, "documents": 0, "malformed": 0},
+               "clean": {"documents": 0, "changed": 0, "empty": 0, "kept": 0}} for d in rules}
+    reports, kinds, count = [], {}, 0
+    for part in _summed(folder, "ingest"):
+        for d, c in part["domains"].items():
+            report.add_counts(per[d]["ingest"], c)
+        reports += part["malformed"]["reports"]
+        report.add_counts(kinds, part["malformed"]["by_kind"])
+        count += part["malformed"]["count"]
+    for part in _summed(folder, "clean"):
+        for d, c in part["domains"].items():
+            report.add_counts(per[d]["clean"], c)
+    for d, active in rules.items():
+        removed = {r: sum(p["removed"].get(d, 0) for p in _summed(folder, f"filter.{r}")) for r in active}
+        documents = per[d]["clean"]["kept"]
+        per[d]["filter"] = {"documents": documents, "kept": documents - sum(removed.values()), "removed": removed}
+    malformed = {"count": count, "by_kind": dict(sorted(kinds.items())), "reports": reports[:max_reports],
+                 "reports_left_out": max(0, count - max_reports)}
+    return {"domains": per, "malformed": malformed}
+
+
+def active_rules(config: Stats) -> dict[str, list[str]]:
+    """Each domain's rules that are on, in test order, from the config section's `filter` entry."""
+    return {d: [r for r in quality.RULE_ORDER if r in fields and fields[r] is not None]
+            for d, fields in config["filter"].items()}
+
+
+class Finalize(PipelineStep):
+    """tokenizer.json, then metadata.json (README.md documents every field), from the work folder's records."""
+
+    name, type = "metadata.json", "💽 - WRITER"
+
+    def __init__(self, work: str, out: str, config: Stats, tokenizer: TokenizerOptions, max_reports: int):
+        super().__init__()
+        self.work, self.out, self.config, self.tokenizer, self.max_reports = work, out, config, tokenizer, max_reports
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> None:
+        folder = get_datafolder(self.work)
+        plan = load_json(folder, "plan.json")
+        if plan["error"]:
+            return
+        with folder.open("tokenizer.json", "r") as f:
+            tokenizer_json = f.read()
+        write_text(self.out, "tokenizer.json", tokenizer_json)
+        source = self.tokenizer.path or "trained"
+        tok = dataclasses.replace(load(f"{self.work}/tokenizer.json", self.tokenizer.eos_token), source=source)
+        written: dict[str, Stats] = {}
+        for p in sorted(folder.list_files("written", glob_pattern="*.json")):
+            written.update(load_json(folder, p))
+        stats = collect_stats(self.work, active_rules(self.config), self.max_reports)
+        dedup = load_json(folder, "dedup.json")
+        domains: dict[str, Any] = {}
+        for entry in plan["splits"]:
+            n = len(entry["groups"])
+            paths = [f"{entry['domain']}/{entry['split']}/{shards.shard_name(i, n)}" for i in range(n)]
+            domains.setdefault(entry["domain"], {})[entry["split"]] = {
+                "documents": sum(written[p]["documents"] for p in paths),
+                "tokens": sum(written[p]["tokens"] for p in paths), "shards": paths}
+        for d, entry in domains.items():
+            entry.update(stats["domains"][d])
+            dd = dedup["per_domain"][d]
+            stored = entry["filter"]["kept"]
+            entry["dedup"] = {"documents": stored, **dd, "kept": stored - dd["exact_duplicates"] - dd["near_duplicates"]}
+            entry["empty"] = not any(entry[split]["documents"] for split in shards.SPLITS)
+        total = sum(e["dedup"]["documents"] for e in domains.values())
+        kept = sum(e["dedup"]["kept"] for e in domains.values())
+        cfg = self.config["dedup"]
+        bands, rows = minhash.lsh_params(cfg["threshold"], cfg["num_perm"])
+        meta = {
+            "version": METADATA_VERSION,
+            "record_format": {"dtype": "<i4", "content": "one document's token ids followed by eos_id",
+                              "layout": "<domain>/<split>/shard-{i:05d}-of-{n:05d}.array_record",
+                              "splits": list(shards.SPLITS), "writer_options": self.config["write"]["writer_options"]},
+            "domains": domains,
+            "dedup": {**{k: v for k, v in dedup.items() if k != "per_domain"}, "documents": total,
+                      "removed": total - kept, "kept": kept,
+                      "lsh": {"num_perm": cfg["num_perm"], "bands": bands, "rows": rows, "threshold": cfg["threshold"],
+                              "shingle": cfg["shingle"], "ngram": cfg["ngram"], "seed": cfg["seed"]}},
+            "malformed": stats["malformed"],
+            "tokenizer": tok.metadata(),
+            "config": {**self.config, "tokenizer": {"source": source, "eos_token": tok.eos_token,
+                                                    "sample": plan["tokenizer"]["sample"]}},
+            "stale_shards": (shards.stale_shards(self.out, set(written)) if "://" not in self.out else []),
+        }
+        write_text(self.out, "metadata.json", json.dumps(meta, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def write_text(folder_url: str, name: str, text: str) -> None:
+    """Atomically on a local path (temp file + rename); an object store's put is atomic already."""
+    if "://" in folder_url:
+        with get_datafolder(folder_url).open(name, "w") as f:
+            f.write(text)
+    else:
+        atomic.write_text(os.path.join(folder_url, name), text)

@@ -15,7 +15,6 @@ import re
 from collections import Counter
 from typing import Any
 
-from data_prep.documents import Document
 from glm46_jax.cli import InputError
 
 # Gopher's stop-word rule: English prose contains these words; boilerplate, tables and junk rarely do.
@@ -143,43 +142,40 @@ def _duplicate_line_fraction(text: str) -> float:
     return (len(lines) - len(set(lines))) / len(lines) if lines else 0.0
 
 
-def first_failure(text: str, rules: QualityRules) -> str | None:
-    """The name of the first rule `text` fails, or None if it passes them all (cheap rules first)."""
-    if rules.min_chars is not None and len(text) < rules.min_chars:
-        return "min_chars"
-    if rules.max_chars is not None and len(text) > rules.max_chars:
-        return "max_chars"
-    words = _WORD.findall(text.lower())
-    if rules.mean_word_length is not None:
+# The order rules are tested in (cheap ones first); a document is removed by, and counted under, the first it fails.
+RULE_ORDER = ("min_chars", "max_chars", "mean_word_length", "symbol_ratio_max", "duplicate_line_fraction_max",
+              "top_ngram_fraction_max", "stop_words_min")
+
+
+def _words(text: str, cache: dict) -> list[str]:
+    if "lower" not in cache:
+        cache["lower"] = _WORD.findall(text.lower())
+    return cache["lower"]
+
+
+def fails(rule: str, text: str, rules: QualityRules, cache: dict) -> bool:
+    """Whether `text` fails `rule` (which must be on); `cache` holds the text's words between rules."""
+    if rule == "min_chars":
+        return len(text) < rules.min_chars
+    if rule == "max_chars":
+        return len(text) > rules.max_chars
+    if rule == "mean_word_length":
+        words = _words(text, cache)
         lo, hi = rules.mean_word_length
         mean = sum(map(len, words)) / len(words) if words else 0.0
-        if not lo <= mean <= hi:
-            return "mean_word_length"
-    if rules.symbol_ratio_max is not None and _symbol_ratio(text) > rules.symbol_ratio_max:
-        return "symbol_ratio_max"
-    dup_lines, top_ngram = rules.duplicate_line_fraction_max, rules.top_ngram_fraction_max
-    if dup_lines is not None and _duplicate_line_fraction(text) > dup_lines:
-        return "duplicate_line_fraction_max"
-    if top_ngram is not None and _top_ngram_fraction(words, rules.top_ngram_n) > top_ngram:
-        return "top_ngram_fraction_max"
-    if rules.stop_words_min is not None and sum(w in STOP_WORDS for w in words) < rules.stop_words_min:
-        return "stop_words_min"
-    return None
+        return not lo <= mean <= hi
+    if rule == "symbol_ratio_max":
+        return _symbol_ratio(text) > rules.symbol_ratio_max
+    if rule == "duplicate_line_fraction_max":
+        return _duplicate_line_fraction(text) > rules.duplicate_line_fraction_max
+    if rule == "top_ngram_fraction_max":
+        return _top_ngram_fraction(_words(text, cache), rules.top_ngram_n) > rules.top_ngram_fraction_max
+    if rule == "stop_words_min":
+        return sum(w in STOP_WORDS for w in _words(text, cache)) < rules.stop_words_min
+    raise KeyError(rule)
 
 
-def filter_documents(docs: list[Document], rules: dict[str, QualityRules]) -> tuple[list[Document], dict[str, Any]]:
-    """(kept documents, per-domain {documents, kept, removed: {rule: count}}); `rules` maps every domain."""
-    kept: list[Document] = []
-    stats: dict[str, Any] = {}
-    for doc in docs:
-        domain_rules = rules[doc.domain]
-        counts = stats.setdefault(doc.domain, {"documents": 0, "kept": 0,
-                                               "removed": dict.fromkeys(domain_rules.rule_names, 0)})
-        counts["documents"] += 1
-        failed = first_failure(doc.text, domain_rules)
-        if failed is None:
-            counts["kept"] += 1
-            kept.append(doc)
-        else:
-            counts["removed"][failed] += 1
-    return kept, stats
+def first_failure(text: str, rules: QualityRules) -> str | None:
+    """The name of the first rule `text` fails, or None if it passes them all."""
+    cache: dict = {}
+    return next((r for r in RULE_ORDER if getattr(rules, r) is not None and fails(r, text, rules, cache)), None)

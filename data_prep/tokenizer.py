@@ -15,9 +15,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import fsspec
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -47,7 +48,7 @@ class TokenizerInfo:
                 "eos_id": self.eos_id, "eos_token": self.eos_token, "pad_id": self.pad_id, "source": self.source}
 
 
-def train_bpe(texts: Sequence[str], vocab_size: int) -> Tokenizer:
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """A byte-level BPE (GPT-2 pre-tokenizer regex, no prefix space) trained on `texts`, ADDED_TOKENS first."""
     min_size = len(ADDED_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
     if vocab_size < min_size:
@@ -59,7 +60,7 @@ def train_bpe(texts: Sequence[str], vocab_size: int) -> Tokenizer:
     # The trainer is the one place that puts added tokens before the byte symbols, and it makes them all special.
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(ADDED_TOKENS), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer, length=len(texts))
+    tok.train_from_iterator(texts, trainer, length=len(texts) if isinstance(texts, Sequence) else None)
     return _markup_not_special(tok)
 
 
@@ -85,14 +86,14 @@ def _describe(tok: Tokenizer, tokenizer_json: str, source: str, eos_token: str) 
                          vocab_size=tok.get_vocab_size(with_added_tokens=True))
 
 
-def trained(texts: Sequence[str], vocab_size: int) -> TokenizerInfo:
+def trained(texts: Iterable[str], vocab_size: int) -> TokenizerInfo:
     tok = train_bpe(texts, vocab_size)
     return _describe(tok, tok.to_str(pretty=True), "trained", EOS_TOKEN)
 
 
 def load(path: str, eos_token: str = EOS_TOKEN) -> TokenizerInfo:
     """A `tokenizer.json` as-is (its exact bytes are what gets copied to the output)."""
-    with open(path, "rb") as f:  # bytes, not text mode: newline translation would change the copy
+    with fsspec.open(path, "rb") as f:  # bytes, not text mode: newline translation would change the copy
         text = f.read().decode("utf-8")
     try:
         tok = Tokenizer.from_str(text)

@@ -1,7 +1,8 @@
-"""data_prep: cleaning, quality rules, deduplication, malformed input, formats, shards, resume, sample.
+"""data_prep: cleaning, quality rules, deduplication, malformed input, formats, shards, task counts, resume, sample.
 
 References are independent of the code under test: exact Jaccard over Python sets for dedup, hand-written
-expected strings for cleaning, shards read back with Grain and decoded with the saved tokenizer.
+expected strings for cleaning, shards read back with Grain and decoded with the saved tokenizer, a run with other
+task counts (byte-identical output). The executors (Slurm, Ray, S3) are in test_data_prep_executors.py.
 """
 
 from __future__ import annotations
@@ -11,16 +12,19 @@ import functools
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
-from data_prep import cli, dedup, minhash, quality, report, shards
+from data_prep import cli, minhash, quality, report, shards
 from data_prep.clean import clean_text
-from data_prep.documents import Document
-from data_prep.inputs import ReaderOptions
-from data_prep.pipeline import PipelineConfig, TokenizerOptions, WriteOptions, ingest, run_pipeline
+from data_prep.executors import run_pipeline
+from data_prep.inputs import ReaderOptions, ReadTask, read_task
+from data_prep.pipeline import ExecutorOptions, PipelineConfig, TokenizerOptions, WriteOptions
 
 STOP = sorted(quality.STOP_WORDS)
 
@@ -53,6 +57,19 @@ def config(tmp_path, inputs, **kw) -> PipelineConfig:
     return PipelineConfig(inputs=tuple(inputs), out=str(tmp_path / "out"), **kw)
 
 
+def _jsonl(path, texts) -> str:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return str(path)
+
+
+def decoded_texts(out: str, meta: dict) -> dict[tuple[str, str], list[str]]:
+    """Every record of the dataset decoded back to text with its own tokenizer, per (domain, split), in order."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
+    return {key: [tok.decode(r[:-1].tolist()) for r in recs] for key, recs in read_dataset(out, meta).items()}
+
+
 def read_dataset(out: str, meta: dict) -> dict[tuple[str, str], list[np.ndarray]]:
     import grain
 
@@ -66,8 +83,10 @@ def read_dataset(out: str, meta: dict) -> dict[tuple[str, str], list[np.ndarray]
 
 
 def all_files(root: str) -> dict[str, bytes]:
+    """Every file of a dataset directory but the work folder of intermediate files."""
     out = {}
-    for d, _, files in os.walk(root):
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if x != "_work"]
         for f in files:
             with open(os.path.join(d, f), "rb") as fh:
                 out[os.path.relpath(os.path.join(d, f), root)] = fh.read()
@@ -92,7 +111,10 @@ def test_lsh_params_reach_recall_at_threshold():
         assert minhash.candidate_probability(t - 0.35, bands, rows) < 0.1  # few candidates far below t
 
 
-def test_dedup_finds_planted_duplicates_without_false_positives():
+def test_dedup_finds_planted_duplicates_and_task_counts_give_identical_bytes(tmp_path):
+    """Planted exact copies, near duplicates (Jaccard 0.90-0.93) and related documents (Jaccard < 0.6), spread over
+    five files; a few near duplicates come in a file *before* their original, so the survivor rule (smallest input
+    file, line) keeps the copy. 1 task, and 4 tasks with 2 workers and 3 write tasks: the same bytes."""
     rng = np.random.default_rng(0)
     vocab = _vocab(rng)
     originals = [prose(rng, vocab, 400) for _ in range(300)]
@@ -107,35 +129,63 @@ def test_dedup_finds_planted_duplicates_without_false_positives():
         half = originals[i].split(" ")
         related.append(" ".join(half[: len(half) // 2]) + " " + prose(rng, vocab, 200))
     exact = [originals[i].replace(". ", ".\n  ") for i in range(20)]  # same text, other whitespace
+    early = {i: near.pop(i) for i in range(190, 200)}  # these copies come first: they survive, the originals go
 
-    sims = [jaccard(originals[i], t) for i, t in near.items()]
+    sims = [jaccard(originals[i], t) for i, t in {**near, **early}.items()]
     assert 0.9 <= min(sims) and max(sims) <= 0.93, (min(sims), max(sims))
     assert max(jaccard(originals[200 + k], t) for k, t in enumerate(related)) < 0.6
 
-    docs = [Document("prose", f"orig:{i}", t) for i, t in enumerate(originals)]
-    docs += [Document("prose", f"near:{i}", t) for i, t in near.items()]
-    docs += [Document("prose", f"related:{k}", t) for k, t in enumerate(related)]
-    docs += [Document("prose", f"exact:{k}", t) for k, t in enumerate(exact)]
-    kept, stats = dedup.deduplicate(docs, minhash.MinHashConfig(), workers=1)
-    kept_sources = {d.source for d in kept}
-    removed = {d.source for d in docs} - kept_sources
+    files = [_jsonl(tmp_path / "0_early.jsonl", list(early.values())),
+             _jsonl(tmp_path / "1_orig.jsonl", originals[:150]), _jsonl(tmp_path / "2_orig.jsonl", originals[150:]),
+             _jsonl(tmp_path / "3_near.jsonl", list(near.values())),
+             _jsonl(tmp_path / "4_more.jsonl", related + exact)]
+    one = config(tmp_path / "one", [("prose", f) for f in files], executor=ExecutorOptions(tasks=1),
+                 write=WriteOptions(heldout_fraction=0.0, shard_bytes=200_000))
+    meta, _ = run_pipeline(one)
+    kept = decoded_texts(one.out, meta)["prose", "train"]
+    kept_set = set(kept)
 
-    assert all(f"orig:{i}" in kept_sources for i in range(300))  # the first of each cluster is kept
-    assert all(f"related:{k}" in kept_sources for k in range(20))  # no false positives
-    assert all(f"exact:{k}" in removed for k in range(20))
-    near_removed = {s for s in removed if s.startswith("near:")}
-    recall = len(near_removed) / len(near)
-    assert recall >= 0.95, recall
-    assert removed == near_removed | {f"exact:{k}" for k in range(20)}
-    assert stats["exact_duplicate_clusters"] == 20 and stats["exact_duplicates_removed"] == 20
-    assert stats["near_duplicate_clusters"] == stats["near_duplicates_removed"] == len(near_removed)
-    assert stats["removed"] == len(removed) and stats["kept"] == len(kept)
-    assert stats["per_domain"]["prose"]["near_duplicates"] == len(near_removed)
+    assert meta["domains"]["prose"]["filter"]["kept"] == len(originals) + 100 + 40  # no rule removed any
+    assert all(originals[i] in kept_set for i in range(300) if i not in early) and all(t in kept_set for t in related)
+    assert all(t in kept_set for t in early.values()) and not any(originals[i] in kept_set for i in early)
+    assert not any(t in kept_set for t in exact)
+    near_removed = sum(t not in kept_set for t in near.values())
+    assert near_removed / len(near) >= 0.95, near_removed
+    assert len(kept) == len(kept_set) == 290 + len(early) + len(related) + len(near) - near_removed
+    d = meta["dedup"]
+    assert d["exact_duplicate_clusters"] == 20 and d["exact_duplicates_removed"] == 20
+    assert d["near_duplicate_clusters"] == d["near_duplicates_removed"] == near_removed + 10
+    assert d["removed"] == 20 + near_removed + 10 and d["kept"] == len(kept)
+    assert meta["domains"]["prose"]["dedup"]["near_duplicates"] == near_removed + 10
+    assert d["candidates_below_threshold"] >= 0 and d["lsh"]["bands"] == 15
+
+    many = dataclasses.replace(one, out=str(tmp_path / "many" / "out"),
+                               executor=ExecutorOptions(tasks=4, workers=2, write_tasks=3))
+    run_pipeline(many)
+    assert all_files(many.out) == all_files(one.out)
+    assert len(meta["domains"]["prose"]["train"]["shards"]) > 3
+
+
+def test_verification_rejects_band_collisions_below_the_threshold():
+    """datatrove's buckets alone would merge these: a candidate group is kept only where the estimated Jaccard of
+    the full signatures reaches the threshold, and the smallest node of each component survives."""
+    from data_prep.dedup import UnionFind, bucket_groups
+
+    pairs = np.array([[0, 5, 0, 7], [0, 7, 1, 2], [2, 0, 2, 1]], np.uint32)  # chains: (0:5, 0:7, 1:2), (2:0, 2:1)
+    groups = bucket_groups(pairs)
+    assert [g.tolist() for g in groups] == [[5, 7, (1 << 32) | 2], [2 << 32, (2 << 32) | 1]]
+    uf = UnionFind(5)
+    uf.union(4, 2)
+    uf.union(3, 4)
+    assert uf.roots().tolist() == [0, 1, 2, 2, 2]
+    # 15 x 8 bands: a pair at Jaccard 0.5 is a candidate ~6 % of the time, one at 0.85 with probability >= 0.99
+    assert 0.04 < minhash.candidate_probability(0.5, 15, 8) < 0.07
+    assert minhash.candidate_probability(0.85, 15, 8) >= 0.99
 
 
 # --- quality -----------------------------------------------------------------------------------------
 
-def test_each_quality_rule_removes_its_planted_document():
+def test_each_quality_rule_removes_its_planted_document(tmp_path):
     rng = np.random.default_rng(1)
     vocab = _vocab(rng)
     good = [prose(rng, vocab, 80) for _ in range(20)]
@@ -152,11 +202,14 @@ def test_each_quality_rule_removes_its_planted_document():
              "code": quality.rules_for("code", {})}
     for rule, text in planted.items():
         assert quality.first_failure(text, rules["prose"]) == rule, rule
-    docs = [Document("prose", f"g{i}", t) for i, t in enumerate(good)]
-    docs += [Document("prose", rule, t) for rule, t in planted.items()]
-    docs += [Document("code", "c", "def f(xs):\n    return [x ** 2 for x in xs if x]  # squares")]
-    kept, stats = quality.filter_documents(docs, rules)
-    assert [d.source for d in kept] == [f"g{i}" for i in range(20)] + ["c"]
+    code = "def f(xs):\n    return [x ** 2 for x in xs if x]  # squares"
+    cfg = config(tmp_path, [("prose", _jsonl(tmp_path / "p.jsonl", good[:10] + list(planted.values()) + good[10:])),
+                            ("code", _jsonl(tmp_path / "c.jsonl", [code]))],
+                 rule_overrides={"prose": {"max_chars": 3000}}, write=WriteOptions(heldout_fraction=0.0))
+    meta, _ = run_pipeline(cfg)  # each rule is its own datatrove filter block, chained in RULE_ORDER
+    texts = decoded_texts(cfg.out, meta)
+    assert texts["prose", "train"] == good and texts["code", "train"] == [code]
+    stats = {d: meta["domains"][d]["filter"] for d in ("prose", "code")}
     assert stats["prose"]["removed"] == dict.fromkeys(planted, 1)
     assert stats["prose"]["kept"] == 20 and stats["prose"]["documents"] == 27
     # code skips the stop-word and word-length rules
@@ -194,7 +247,12 @@ def test_malformed_inputs_are_reported_and_good_documents_survive(tmp_path, caps
     (src / "e.txt").write_bytes(b"  \n")
     a, b, d, e = (str(src / n) for n in ("a.jsonl", "b.jsonl", "d.txt", "e.txt"))
 
-    docs, _, stats = ingest((("prose", str(src)),), ReaderOptions())
+    out = tmp_path / "out"
+    assert cli.main(["pipeline", "--input", f"prose={src}", "--out", str(out), "--workers", "1",
+                     "--vocab-size", "300", "--heldout-fraction", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert f"{a}:2: invalid_json" in printed and f"{d}:3: invalid_utf8" in printed
+    stats = json.loads((out / "metadata.json").read_text())
     got = {(r["location"], r["kind"]) for r in stats["malformed"]["reports"]}
     assert got == {(f"{a}:2", "invalid_json"), (f"{a}:3", "missing_field"), (f"{a}:4", "invalid_utf8"),
                    (f"{a}:5", "wrong_type"), (f"{a}:6", "blank_line"), (f"{b}:1", "empty_file"),
@@ -202,16 +260,9 @@ def test_malformed_inputs_are_reported_and_good_documents_survive(tmp_path, caps
     assert stats["malformed"]["count"] == 8
     assert stats["malformed"]["by_kind"] == {"blank_line": 1, "empty_file": 2, "invalid_json": 1,
                                              "invalid_utf8": 2, "missing_field": 1, "wrong_type": 1}
-    assert [d.text for d in docs] == [texts[0], texts[2], texts[3]]
-    assert stats["ingest"]["prose"] == {"files": 5, "documents": 3, "malformed": 8}
-
-    out = tmp_path / "out"
-    assert cli.main(["pipeline", "--input", f"prose={src}", "--out", str(out), "--workers", "1",
-                     "--vocab-size", "300", "--heldout-fraction", "0"]) == 0
-    printed = capsys.readouterr().out
-    assert f"{a}:2: invalid_json" in printed and f"{d}:3: invalid_utf8" in printed
-    meta = json.loads((out / "metadata.json").read_text())
-    assert meta["malformed"]["count"] == 8 and meta["domains"]["prose"]["train"]["documents"] == 3
+    # d.txt is one document (its text with the bad byte is reported, not read): the good ones, in input order
+    assert decoded_texts(str(out), stats)["prose", "train"] == [texts[0], texts[2], texts[3]]
+    assert stats["domains"]["prose"]["ingest"] == {"files": 5, "documents": 3, "malformed": 8}
 
 
 def test_missing_input_is_a_clear_error(tmp_path, capsys):
@@ -226,7 +277,7 @@ def test_missing_input_is_a_clear_error(tmp_path, capsys):
 
 def test_text_lines_mode(tmp_path):
     (tmp_path / "l.txt").write_text("first document here\n\nsecond one\n")
-    docs, _, stats = ingest((("p", str(tmp_path / "l.txt")),), ReaderOptions(text_lines=True))
+    docs = list(read_task(ReadTask("p", "text", str(tmp_path / "l.txt")), ReaderOptions(text_lines=True)))
     assert [(d.source.rsplit(":", 1)[1], d.text) for d in docs] == [("1", "first document here"), ("2", ""),
                                                                     ("3", "second one")]
 
@@ -278,7 +329,7 @@ def test_jsonl_text_parquet_round_trip(tmp_path):
     on_disk = {p for p in all_files(cfg.out) if p.endswith(".array_record")}
     assert on_disk == {p for d in meta["domains"].values() for s in shards.SPLITS for p in d[s]["shards"]}
     assert all(re.fullmatch(r"\w+/(train|heldout)/shard-\d{5}-of-\d{5}\.array_record", p) for p in on_disk)
-    assert run == {"shards_written": len(on_disk), "shards_skipped": 0}
+    assert not any(run["skipped"].values())
 
 
 @functools.cache  # TFDS registers builder classes by name: define this one once per process
@@ -329,68 +380,50 @@ def test_tfds_input_without_tensorflow(tmp_path):
 def small_corpus(tmp_path):
     rng = np.random.default_rng(5)
     vocab = _vocab(rng)
-    path = tmp_path / "c.jsonl"
-    path.write_text("".join(json.dumps({"text": prose(rng, vocab, 120)}) + "\n" for _ in range(60)))
-    return [("prose", str(path))]
+    return [("prose", _jsonl(tmp_path / f"c{i}.jsonl", [prose(rng, vocab, 120) for _ in range(15)])) for i in range(4)]
 
 
-def test_resume_after_lost_or_torn_shards_is_byte_identical(tmp_path, small_corpus):
-    cfg = config(tmp_path, small_corpus, write=WriteOptions(heldout_fraction=0.1, shard_bytes=8000))
-    _, run = run_pipeline(cfg)
-    reference = all_files(cfg.out)
-    train_shards = sorted(p for p in reference if p.startswith("prose/train/shard-"))
-    assert len(train_shards) >= 4 and run["shards_skipped"] == 0
-
-    lost, torn = (os.path.join(cfg.out, p) for p in train_shards[:2])
-    os.remove(lost)  # a shard that was never written (marker kept: it must not be trusted alone)
-    with open(torn, "r+b") as f:  # a shard whose file does not match its marker
-        f.truncate(100)
-    os.remove(os.path.join(cfg.out, "metadata.json"))
-    open(os.path.join(os.path.dirname(lost), f".{os.path.basename(lost)}.999.tmp"), "wb").close()  # crash leftover
-    _, run = run_pipeline(cfg)
-    n_shards = sum(p.endswith(".array_record") for p in reference)
-    assert run == {"shards_written": 2, "shards_skipped": n_shards - 2}
-    after = all_files(cfg.out)
-    assert {p: b for p, b in after.items() if not p.endswith(".tmp")} == reference
+def _argv(inputs, out, *flags) -> list[str]:
+    return ["pipeline", *(a for d, p in inputs for a in ("--input", f"{d}={p}")), "--out", str(out),
+            "--vocab-size", "300", "--shard-size-mb", "0.01", *flags]
 
 
-def test_interrupted_run_resumes_to_identical_output(tmp_path, small_corpus, monkeypatch):
-    full = config(tmp_path / "full", small_corpus, write=WriteOptions(shard_bytes=8000))
-    run_pipeline(full)
-    reference = all_files(full.out)
+def test_killed_run_resumes_to_the_same_dataset(tmp_path, small_corpus):
+    """SIGKILL the whole local run mid-way: no metadata.json; the same command again skips the finished tasks and
+    writes the bytes an uninterrupted run writes."""
+    reference = tmp_path / "reference"
+    assert cli.main(_argv(small_corpus, reference, "--tasks", "4", "--workers", "1")) == 0
+    out = tmp_path / "crash"
+    argv = _argv(small_corpus, out, "--tasks", "4", "--workers", "1")
+    proc = subprocess.Popen([sys.executable, "-m", "data_prep", *argv], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not list(out.glob("_work/*/logs/prepare/completions/00001")) and time.time() < deadline:
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert not (out / "metadata.json").exists()  # an incomplete dataset has no metadata
 
-    cfg = dataclasses.replace(full, out=str(tmp_path / "crash" / "out"))
-    real_write, calls = shards.write_shard, []
-
-    def crash_after_two(task):
-        if len(calls) == 2:
-            raise RuntimeError("simulated crash")
-        calls.append(task.path)
-        return real_write(task)
-
-    monkeypatch.setattr(shards, "write_shard", crash_after_two)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run_pipeline(cfg)
-    monkeypatch.setattr(shards, "write_shard", real_write)
-    assert not os.path.exists(os.path.join(cfg.out, "metadata.json"))  # incomplete datasets have no metadata
-    _, run = run_pipeline(cfg)
-    assert run["shards_skipped"] == 2 and run["shards_written"] >= 1
-    assert all_files(cfg.out) == reference
+    meta, run = run_pipeline(_config_from_argv(argv))
+    assert 1 <= run["skipped"]["prepare"] < 4 and run["skipped"]["write"] == 0
+    assert all_files(str(out)) == all_files(str(reference))
+    _, again = run_pipeline(_config_from_argv(argv))  # a complete run re-run: every task skipped, same bytes
+    assert again["skipped"] == {**{s: n for s, n in again["skipped"].items()}, "prepare": 4, "tokenize": 4}
+    assert all_files(str(out)) == all_files(str(reference))
 
 
-def test_workers_and_stage_commands_give_the_same_dataset(tmp_path, small_corpus):
-    (domain, path), = small_corpus
-    flags = ["--vocab-size", "300", "--shard-size-mb", "0.01"]
-    one, two, staged = (str(tmp_path / n) for n in ("one", "two", "staged"))
-    assert cli.main(["pipeline", "--input", f"{domain}={path}", "--out", one, "--workers", "1", *flags]) == 0
-    assert cli.main(["pipeline", "--input", f"{domain}={path}", "--out", two, "--workers", "2", *flags]) == 0
-    sets = [str(tmp_path / f"set{i}") for i in range(4)]
-    assert cli.main(["ingest", "--input", f"{domain}={path}", "--out", sets[0], "--workers", "1"]) == 0
-    for i, stage in enumerate(("clean", "filter", "dedup")):
-        assert cli.main([stage, "--docset", sets[i], "--out", sets[i + 1], "--workers", "1"]) == 0
-    assert cli.main(["write", "--docset", sets[3], "--out", staged, "--workers", "1", *flags]) == 0
-    reference = all_files(one)
-    assert all_files(two) == reference and all_files(staged) == reference
+def _config_from_argv(argv: list[str]) -> PipelineConfig:
+    args = cli.build_parser().parse_args(argv)
+    return cli.pipeline_config(args, tuple(args.input))
+
+
+def test_worker_counts_give_the_same_dataset(tmp_path, small_corpus):
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert cli.main(_argv(small_corpus, one, "--workers", "1")) == 0
+    assert cli.main(_argv(small_corpus, two, "--workers", "2", "--write-tasks", "2")) == 0
+    reference = all_files(str(one))
+    assert all_files(str(two)) == reference and len([p for p in reference if p.endswith(".array_record")]) > 2
 
 
 def test_loaded_tokenizer_and_literal_special_tokens(tmp_path, small_corpus):
@@ -457,7 +490,7 @@ def test_changed_config_rewrites_shards_and_reports_stale_ones(tmp_path, small_c
     regrouped = dataclasses.replace(cfg, write=WriteOptions(heldout_fraction=0.0, shard_bytes=20000))
     meta, run = run_pipeline(regrouped)
     old, new = (set(m["domains"]["prose"]["train"]["shards"]) for m in (first, meta))
-    assert old.isdisjoint(new) and run["shards_skipped"] == 0
+    assert old.isdisjoint(new) and not any(run["skipped"].values())  # another configuration: another work folder
     assert meta["stale_shards"] == sorted(old)  # reported, not deleted
     assert all(os.path.exists(os.path.join(cfg.out, p)) for p in old)
     with pytest.raises(ValueError, match="no --input"):
@@ -472,26 +505,22 @@ SYMBOL_HEAVY = [f"The {{house}} => [garden] && (the) || window <> with ##$$%% of
                 for w in ("one", "two", "three", "four", "five")]  # 93-95 chars: only symbol_ratio_max fails
 
 
-def _jsonl(path, texts) -> str:
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return str(path)
-
-
 @pytest.fixture
 def failing_domain(tmp_path):
     """12 documents that all fail a quality rule: 7 under min_chars, 5 over symbol_ratio_max."""
     return _jsonl(tmp_path / "x.jsonl", [f"tiny doc {i}" for i in range(7)] + SYMBOL_HEAVY)
 
 
-def test_dedup_accepts_no_documents_and_documents_without_shingles():
-    kept, stats = dedup.deduplicate([], minhash.MinHashConfig())
-    assert kept == [] and stats["documents"] == stats["kept"] == stats["removed"] == 0
-    assert stats["per_domain"] == {}
-    # No \w+ word at all: every signature is EMPTY, so no document is in any band bucket.
-    docs = [Document("sym", str(i), t) for i, t in enumerate(["!!! ???", "--- +++", "!!!   ???"])]
-    kept, stats = dedup.deduplicate(docs, minhash.MinHashConfig())
-    assert [d.source for d in kept] == ["0", "1"]
-    assert stats["exact_duplicates_removed"] == 1 and stats["near_duplicates_removed"] == 0
+def test_documents_without_words_are_deduplicated_exactly(tmp_path):
+    """No \\w+ word, so no word shingle: such a document is one shingle of its whole text, so exact copies
+    (up to whitespace) still meet in every band, and different ones do not."""
+    texts = ["!!! ??? !!! ??? !!! ??? !!! ??? !!! ??? !!! ??? !!! ??? !!! ??? !!! ???", "--- +++ --- +++ --- +++ ---",
+             "!!!   ??? !!! ??? !!! ??? !!! ??? !!! ??? !!! ??? !!! ??? !!! ??? !!! ???"]
+    cfg = config(tmp_path, [("sym", _jsonl(tmp_path / "s.jsonl", texts))], write=WriteOptions(heldout_fraction=0.0),
+                 rule_overrides={"sym": dict.fromkeys(quality.RULE_ORDER)})
+    meta, _ = run_pipeline(cfg)
+    assert decoded_texts(cfg.out, meta)["sym", "train"] == texts[:2]
+    assert meta["dedup"]["exact_duplicates_removed"] == 1 and meta["dedup"]["near_duplicates_removed"] == 0
 
 
 def test_emptied_and_small_domains_warn_and_the_rest_is_written(tmp_path, failing_domain, capsys):
@@ -531,18 +560,9 @@ def test_all_domains_empty_is_one_error_and_writes_nothing(tmp_path, failing_dom
     out = tmp_path / "out"
     assert cli.main(["pipeline", *inputs, "--out", str(out), "--workers", "1"]) == 2
     assert capsys.readouterr().err.splitlines() == [want]
-    assert not out.exists()
-
-    # The stages accept zero documents; the dataset-level commands make the same decision.
-    sets = [str(tmp_path / f"set{i}") for i in range(4)]
-    assert cli.main(["ingest", *inputs, "--out", sets[0], "--workers", "1"]) == 0
-    for i, stage in enumerate(("clean", "filter", "dedup")):
-        assert cli.main([stage, "--docset", sets[i], "--out", sets[i + 1], "--workers", "1"]) == 0
-    capsys.readouterr()
-    assert cli.main(["write", "--docset", sets[3], "--out", str(out), "--workers", "1"]) == 2
-    assert cli.main(["train-tokenizer", "--docset", sets[3], "--out", str(tmp_path / "tok.json")]) == 2
-    assert capsys.readouterr().err.splitlines() == [want, want]
-    assert not out.exists() and not (tmp_path / "tok.json").exists()
+    assert all_files(str(out)) == {}  # only the work folder of intermediate files
+    assert cli.main(["pipeline", *inputs, "--out", str(out), "--workers", "2", "--tasks", "2"]) == 2
+    assert capsys.readouterr().err.splitlines() == [want]
 
 
 def test_warning_lines_from_metadata():
@@ -569,47 +589,43 @@ def test_warning_lines_from_metadata():
 
 # --- user errors ----------------------------------------------------------------------------------------
 
-def _bad_docset_line(line: str):
-    def make(tmp_path, docset):
-        with open(os.path.join(docset, "p.jsonl"), "a", encoding="utf-8") as f:
-            f.write(line + "\n")
-        return ["dedup", "--docset", docset, "--out", str(tmp_path / "o")]
-    return make
-
-
 def _rules_file(content: str):
-    def make(tmp_path, docset):
+    def make(tmp_path, corpus):
         (tmp_path / "rules.json").write_text(content)
-        return ["filter", "--docset", docset, "--out", str(tmp_path / "o"), "--rules", str(tmp_path / "rules.json")]
+        return ["pipeline", "--input", f"p={corpus}", "--out", str(tmp_path / "o"), "--rules", str(tmp_path / "rules.json")]
     return make
 
 
 def _rule(arg: str):
-    return lambda tmp_path, docset: ["filter", "--docset", docset, "--out", str(tmp_path / "o"), "--rule", arg]
+    return lambda tmp_path, corpus: ["pipeline", "--input", f"p={corpus}", "--out", str(tmp_path / "o"), "--rule", arg]
 
 
-def _out_is_a_file(tmp_path, docset):
+def _pipeline(*flags: str):
+    return lambda tmp_path, corpus: ["pipeline", "--input", f"p={corpus}", "--out", str(tmp_path / "o"), *flags]
+
+
+def _out_is_a_file(tmp_path, corpus):
     (tmp_path / "taken").write_text("someone's file")
-    return ["pipeline", "--input", f"p={docset}/p.jsonl", "--out", str(tmp_path / "taken")]
+    return ["pipeline", "--input", f"p={corpus}", "--out", str(tmp_path / "taken")]
 
 
 USER_ERRORS = {  # argv builder, a fragment the one error line must contain
     "missing input": (lambda t, s: ["pipeline", "--input", f"p={t}/nope.jsonl", "--out", str(t / "o")],
                       "nope.jsonl: no file"),
-    "missing docset": (lambda t, s: ["clean", "--docset", str(t / "no_set"), "--out", str(t / "o")],
-                       "is not a document set"),
-    "docset line not JSON": (_bad_docset_line('{"text": "cut'), "p.jsonl:4: "),
-    "docset line without source": (_bad_docset_line('{"text": "no source"}'), "p.jsonl:4: "),
     "rules file not JSON": (_rules_file("{"), "rules.json: "),
     "rules file not an object": (_rules_file("[1, 2]"), "rules.json: "),
     "rule value of the wrong type": (_rule('p.min_chars="many"'), "p.min_chars"),
     "rule range not a pair": (_rule("p.mean_word_length=5"), "p.mean_word_length"),
     "unknown rule": (_rule("p.min_char=5"), "unknown quality rule"),
     "rule without a domain": (_rule("min_chars=5"), "DOMAIN.RULE=VALUE"),
+    "rule for a domain without input": (_rule("q.min_chars=5"), "no --input"),
     "out is a file": (_out_is_a_file, "not a directory"),
-    "out under a file": (lambda t, s: ["train-tokenizer", "--docset", s, "--out", f"{s}/p.jsonl/tok.json"],
-                         "not a directory"),
-    "ngram 0": (lambda t, s: ["dedup", "--docset", s, "--out", str(t / "o"), "--ngram", "0"], "ngram"),
+    "out under a file": (lambda t, s: ["pipeline", "--input", f"p={s}", "--out", f"{s}/o"], "not a directory"),
+    "ngram 0": (_pipeline("--ngram", "0"), "ngram"),
+    "tasks 0": (_pipeline("--tasks", "0"), "--tasks 0"),
+    "unknown executor": (_pipeline("--executor", "spark"), "--executor"),
+    "missing tokenizer": (lambda t, s: ["pipeline", "--input", f"p={s}", "--out", str(t / "o"), "--tokenizer",
+                                        str(t / "none.json")], "none.json"),
     "input without a domain": (lambda t, s: ["pipeline", "--input", "no-equals-sign", "--out", str(t / "o")],
                                "expected DOMAIN=PATH"),
 }
@@ -617,14 +633,11 @@ USER_ERRORS = {  # argv builder, a fragment the one error line must contain
 
 @pytest.mark.parametrize("case", list(USER_ERRORS))
 def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys, case):
-    docset = str(tmp_path / "set")
     lines = ["The cat sat on the mat with the dog and the bird, which was not the way of it."] * 3
-    assert cli.main(["ingest", "--input", f"p={_jsonl(tmp_path / 'p.jsonl', lines)}", "--out", docset,
-                     "--workers", "1"]) == 0
-    capsys.readouterr()
+    corpus = _jsonl(tmp_path / "p.jsonl", lines)
     make_argv, fragment = USER_ERRORS[case]
     try:
-        code = cli.main([*make_argv(tmp_path, docset), "--workers", "1"])
+        code = cli.main([*make_argv(tmp_path, corpus), "--workers", "1"])
     except SystemExit as exit_:  # argparse's own errors
         code = exit_.code
     err = capsys.readouterr().err

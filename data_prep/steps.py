@@ -1,0 +1,200 @@
+"""Our datatrove pipeline blocks for the first stage: read -> clean -> quality rules -> store + MinHash signatures.
+
+Each block is a `datatrove.pipeline.base.PipelineStep`, so any datatrove executor runs it (local, Slurm, Ray). A task
+(rank) owns a contiguous range of the input files, so ordering documents by (rank, position in the task) is ordering
+them by (input file, line): the survivor rule of dedup and the order inside shards follow from that, for any task
+count. Per-domain counts are written by each block to `<work>/counts/<block>/<rank>.json` and summed by the last stage.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from datatrove.data import Document as DTDocument
+from datatrove.data import DocumentsPipeline
+from datatrove.io import get_datafolder
+from datatrove.pipeline.base import PipelineStep
+from datatrove.pipeline.dedup.minhash import MinhashDedupSignature
+from datatrove.pipeline.filters.base_filter import BaseFilter
+from datatrove.utils.word_tokenizers import WordTokenizer
+
+from data_prep import clean as clean_mod
+from data_prep import minhash, quality
+from data_prep.dedup import exact_key
+from data_prep.documents import Malformed, text_digest
+from data_prep.inputs import ReaderOptions, ReadTask, read_task
+from data_prep.shards import is_heldout
+from data_prep.work import INDEX_DTYPE, rank_files, save_array, save_json
+
+
+class Counted(PipelineStep):
+    """A block that counts per domain and saves its counts when its task ends."""
+
+    key = "counted"
+
+    def __init__(self, work: str):
+        super().__init__()
+        self.work = work
+
+    def save_counts(self, rank: int, counts: dict[str, Any]) -> None:
+        save_json(get_datafolder(self.work), f"counts/{self.key}/{rank:05d}.json", counts)
+
+
+class ReadInputs(Counted):
+    """Our readers (JSONL, Parquet, text, TFDS; local paths or fsspec URLs), streamed; malformed input is
+    counted and its first `max_reports` locations kept, never raised."""
+
+    name, type, key = "read inputs", "📖 - READER", "ingest"
+
+    def __init__(self, work: str, tasks: Sequence[ReadTask], reader: ReaderOptions, max_reports: int):
+        super().__init__(work)
+        self.tasks, self.reader, self.max_reports = list(tasks), reader, max_reports
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        counts: dict[str, dict[str, int]] = {}
+        malformed: list[Malformed] = []  # the first max_reports; all are counted by kind
+        kinds: Counter[str] = Counter()
+        for file_index in rank_files(len(self.tasks), rank, world_size):
+            task = self.tasks[file_index]
+            domain = counts.setdefault(task.domain, {"files": 0, "documents": 0, "malformed": 0})
+            domain["files"] += 1
+            ordinal = 0
+            for item in read_task(task, self.reader):
+                if isinstance(item, Malformed):
+                    domain["malformed"] += 1
+                    kinds[item.kind] += 1
+                    if len(malformed) < self.max_reports:
+                        malformed.append(item)
+                    continue
+                domain["documents"] += 1
+                self.stat_update("documents")
+                yield DTDocument(text=item.text, id=f"{file_index}:{ordinal}",
+                                 metadata={"domain": task.domain, "file": file_index, "ord": ordinal})
+                ordinal += 1
+        section = {"count": sum(kinds.values()), "by_kind": dict(sorted(kinds.items())),
+                   "reports": [m.to_json() for m in malformed]}
+        self.save_counts(rank, {"domains": counts, "malformed": section})
+
+
+class Clean(Counted):
+    """Our normalisation (clean.py); documents left empty are dropped and counted."""
+
+    name, type, key = "clean", "✂️ - FORMAT", "clean"
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        counts: dict[str, dict[str, int]] = {}
+        for doc in data:
+            c = counts.setdefault(doc.metadata["domain"], {"documents": 0, "changed": 0, "empty": 0, "kept": 0})
+            c["documents"] += 1
+            text = clean_mod.clean_text(doc.text)
+            c["changed"] += text != doc.text
+            if not text.strip():
+                c["empty"] += 1
+                continue
+            c["kept"] += 1
+            doc.text = text
+            yield doc
+        self.save_counts(rank, {"domains": counts})
+
+
+class QualityRule(BaseFilter):
+    """One of our quality rules as a datatrove filter, with each domain's own limit (`None`: off for it).
+
+    A document is removed by the first rule it fails: the rules are chained in `quality.RULE_ORDER`."""
+
+    type = "🔻 - FILTER"
+
+    def __init__(self, work: str, rule: str, rules: dict[str, quality.QualityRules]):
+        super().__init__()
+        self.work, self.rule, self.rules = work, rule, rules
+        self.name = rule
+
+    def filter(self, doc: DTDocument) -> bool:
+        rules = self.rules[doc.metadata["domain"]]
+        return getattr(rules, self.rule) is None or not quality.fails(self.rule, doc.text, rules,
+                                                                      doc.metadata.setdefault("words", {}))
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        removed = dict.fromkeys(self.rules, 0)
+        for doc in super().run(self._count(data, removed), rank, world_size):
+            removed[doc.metadata["domain"]] -= 1
+            yield doc
+        save_json(get_datafolder(self.work), f"counts/filter.{self.rule}/{rank:05d}.json", {"removed": removed})
+
+    @staticmethod
+    def _count(data: DocumentsPipeline, removed: dict[str, int]) -> Iterator[DTDocument]:
+        for doc in data:  # every input counts as removed until the filter passes it on
+            removed[doc.metadata["domain"]] += 1
+            yield doc
+
+
+def quality_blocks(work: str, rules: dict[str, quality.QualityRules]) -> list[QualityRule]:
+    """One block per rule that any domain uses, in the order a document is tested."""
+    used = [r for r in quality.RULE_ORDER if any(getattr(rs, r) is not None for rs in rules.values())]
+    return [QualityRule(work, r, rules) for r in used]
+
+
+class Store(Counted):
+    """Writes the task's surviving documents (`docs/<rank>.jsonl.gz`) and their index (`index/<rank>.npy`),
+    and passes them on to the signature block."""
+
+    name, type, key = "store", "💽 - WRITER", "store"
+
+    def __init__(self, work: str, domains: Sequence[str], heldout_fraction: float):
+        super().__init__(work)
+        self.domains, self.heldout_fraction = list(domains), heldout_fraction
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        folder = get_datafolder(self.work)
+        rows = []
+        with folder.open(f"docs/{rank:05d}.jsonl.gz", "wt", compression="gzip") as f:
+            for doc in data:
+                doc.metadata.pop("words", None)
+                f.write(json.dumps({"text": doc.text}, ensure_ascii=False) + "\n")
+                rows.append((doc.metadata["file"], doc.metadata["ord"], self.domains.index(doc.metadata["domain"]),
+                             len(doc.text.encode("utf-8")), is_heldout(text_digest(doc.text), self.heldout_fraction),
+                             exact_key(doc.text)))
+                yield doc
+        save_array(folder, f"index/{rank:05d}.npy", np.array(rows, INDEX_DTYPE))
+
+
+class _Words(WordTokenizer):
+    """`\\w+` words: what our shingles use. Given to datatrove so it loads no language model (no download)."""
+
+    def __init__(self):
+        super().__init__("words")
+
+    def word_tokenize(self, text: str) -> list[str]:
+        return minhash.words(text)
+
+    def sent_tokenize(self, text: str) -> list[str]:
+        return [text]
+
+    def span_tokenize(self, text: str) -> list[tuple[int, int]]:
+        return [(0, len(text))]
+
+
+class Signatures(MinhashDedupSignature):
+    """datatrove's MinHash signature stage with our shingles: `--shingle word|char` n-grams hashed in one vectorised
+    pass (minhash.shingle_hashes; datatrove hashes each n-gram string in Python, several times slower)."""
+
+    def __init__(self, work: str, cfg: minhash.MinHashConfig):
+        super().__init__(f"{work}/sigs", config=minhash.datatrove_config(cfg), language=_Words())
+        self.shingle, self.ngram = cfg.shingle, cfg.ngram
+
+    def get_shingles(self, text: str) -> np.ndarray:
+        hashes = minhash.shingle_hashes(text, self.shingle, self.ngram)
+        if hashes.size == 0:  # no word at all: the whole text is the one shingle, so exact copies still meet
+            hashes = np.array([int.from_bytes(exact_key(text)[:4], "little")], np.uint64)
+        return hashes.reshape(-1, 1)
+
+
+def first_stage(work: str, tasks: Sequence[ReadTask], reader: ReaderOptions, max_reports: int,
+                rules: dict[str, quality.QualityRules], domains: Sequence[str], heldout_fraction: float,
+                cfg: minhash.MinHashConfig) -> list[Callable]:
+    return [ReadInputs(work, tasks, reader, max_reports), Clean(work), *quality_blocks(work, rules),
+            Store(work, domains, heldout_fraction), Signatures(work, cfg)]

@@ -299,4 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         print(f"error: {' | '.join(lines) or type(err).__name__}", file=sys.stderr)
         return 2
+    except executors.StageFailed as err:  # tasks failed: their logs say why, and a re-run retries only them
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return 0

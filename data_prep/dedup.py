@@ -119,8 +119,7 @@ class VerifyAndCluster(PipelineStep):
         checked = rejected = 0
         for group in groups:
             members = np.searchsorted(nodes, np.sort(group))
-            _, first = np.unique(keys[members], return_index=True)
-            _, inverse = np.unique(keys[members], return_inverse=True)
+            _, first, inverse = np.unique(keys[members], return_index=True, return_inverse=True)
             for m, k in zip(members.tolist(), inverse.tolist(), strict=True):  # same exact key: one cluster
                 exact.union(members[first[k]], m)
                 every.union(members[first[k]], m)

@@ -27,9 +27,9 @@ from data_prep.pipeline import (
     STAGES,
     PipelineConfig,
     Plan,
-    _config_section,
     active_rules,
     collect_stats,
+    config_section,
     make_plan,
     stage_pipelines,
 )
@@ -37,6 +37,10 @@ from data_prep.work import load_json
 from glm46_jax.cli import InputError
 
 EXECUTORS = ("local", "slurm", "ray")
+
+
+class StageFailed(RuntimeError):
+    """Tasks failed (not the user's input): the CLI prints this one line and exits 1; the logs say why."""
 
 
 class _QuietLocal(LocalPipelineExecutor):
@@ -81,7 +85,7 @@ def _check_survivors(cfg: PipelineConfig, plan: Plan) -> None:
     """After the dedup stage: one error line when there is no dataset to write."""
     error = load_json(get_datafolder(plan.work), "plan.json")["error"]
     if error == "every domain is empty":
-        stats = collect_stats(plan.work, active_rules(_config_section(cfg, plan.rules)), cfg.max_reports)
+        stats = collect_stats(plan.work, active_rules(config_section(cfg, plan.rules)), cfg.max_reports)
         dedup = load_json(get_datafolder(plan.work), "dedup.json")["per_domain"]
         reasons = []
         for d in plan.domains:
@@ -120,7 +124,7 @@ def run(cfg: PipelineConfig, wait: bool = False) -> dict[str, Any]:
         _executor(cfg, plan, stage, pipeline, tasks).run()
         incomplete = tasks - _completed(plan, stage, tasks) if stage != "finalize" else 0
         if incomplete:
-            raise RuntimeError(f"stage {stage}: {incomplete} of {tasks} task(s) failed; logs in "
+            raise StageFailed(f"stage {stage}: {incomplete} of {tasks} task(s) failed; logs in "
                                f"{plan.work}/logs/{stage}/logs; re-run the same command to retry them")
         if stage == "dedup":
             _check_survivors(cfg, plan)
@@ -142,18 +146,19 @@ def _submit(cfg: PipelineConfig, plan: Plan, pipelines: dict, wait: bool) -> lis
         previous = _executor(cfg, plan, stage, pipeline, tasks, depends=previous)
         executors.append(previous)
     previous.run()  # launches its dependencies first
-    jobs = [e.job_id for e in executors if getattr(e, "job_id", None)]
+    # job_id -1 (an int): datatrove launched nothing, every task of that stage being complete (a re-run)
+    jobs = [str(e.job_id) for e in executors if e.job_id not in (None, -1)]
     if wait:
         while _queued(jobs):
             time.sleep(2)
         if not get_datafolder(cfg.out).isfile("metadata.json"):
             if get_datafolder(plan.work).isfile("plan.json"):
                 _check_survivors(cfg, plan)
-            raise RuntimeError(f"the Slurm jobs {jobs} ended without metadata.json; see "
+            raise StageFailed(f"the Slurm jobs {jobs} ended without metadata.json; see "
                                f"{cfg.executor.slurm_logs or plan.work + '/slurm_logs'}")
     return jobs
 
 
 def _queued(jobs: list[str]) -> bool:
-    out = subprocess.run(["squeue", "-h", "-j", ",".join(jobs), "-o", "%i"], capture_output=True, text=True)
+    out = subprocess.run(["squeue", "-h", "-j", ",".join(jobs), "-o", "%i"], capture_output=True, text=True, check=False)
     return bool(out.stdout.strip())

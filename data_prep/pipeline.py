@@ -102,12 +102,14 @@ class Plan:
     work: str  # the hashed work folder of this configuration
 
 
-def _file_stamp(path: str) -> list:
+def _file_stamp(task: ReadTask) -> list:
     """Size and modification time (or ETag): a re-run after an input file changed must not reuse old tasks."""
-    if path.count("@") and not os.path.exists(path) and "://" not in path:
-        return [path]  # tfds NAME@SPLIT
+    if task.kind == "tfds":
+        return [task.domain, task.kind, task.path]
+    path = task.path
     info = fsspec.core.url_to_fs(path)[0].info(path)
-    return [path, info.get("size"), str(info.get("mtime") or info.get("LastModified") or info.get("ETag"))]
+    return [task.domain, task.kind, path, info.get("size"),
+            str(info.get("mtime") or info.get("LastModified") or info.get("ETag"))]
 
 
 def make_plan(cfg: PipelineConfig) -> Plan:
@@ -122,8 +124,8 @@ def make_plan(cfg: PipelineConfig) -> Plan:
         raise InputError(f"--tasks {tasks}: must be >= 1")
     if cfg.tokenizer.path is not None:
         load(cfg.tokenizer.path, cfg.tokenizer.eos_token)  # a bad tokenizer fails now, not in a task
-    shape = {"files": [[f.domain, f.kind, *_file_stamp(f.path)] for f in files], "tasks": tasks,
-             "config": _config_section(cfg, rules),
+    shape = {"files": [_file_stamp(f) for f in files], "tasks": tasks,
+             "config": config_section(cfg, rules),
              "tokenizer_sha": load(cfg.tokenizer.path).sha256 if cfg.tokenizer.path else None,
              "sample_bytes": cfg.tokenizer.sample_bytes, "max_reports": cfg.max_reports}
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -131,7 +133,7 @@ def make_plan(cfg: PipelineConfig) -> Plan:
     return Plan(files, domains, rules, tasks, cfg.executor.write_tasks or tasks, work)
 
 
-def _config_section(cfg: PipelineConfig, rules: dict[str, quality.QualityRules]) -> Stats:
+def config_section(cfg: PipelineConfig, rules: dict[str, quality.QualityRules]) -> Stats:
     return {"ingest": {"inputs": [list(i) for i in cfg.inputs], "reader": dataclasses.asdict(cfg.reader)},
             "filter": {d: dataclasses.asdict(r) for d, r in rules.items()},
             "dedup": dataclasses.asdict(cfg.minhash),
@@ -152,7 +154,7 @@ def stage_pipelines(cfg: PipelineConfig, plan: Plan) -> dict[str, tuple[list, in
         "tokenize": ([shards.ReadStored(work), MinhashDedupFilter(f"{work}/remove"), shards.Tokenize(work)],
                      plan.tasks),
         "write": ([shards.WriteShards(work, cfg.out, cfg.write.writer_options)], plan.write_tasks),
-        "finalize": ([Finalize(work, cfg.out, _config_section(cfg, plan.rules), tok, cfg.max_reports)], 1),
+        "finalize": ([Finalize(work, cfg.out, config_section(cfg, plan.rules), tok, cfg.max_reports)], 1),
     }
 
 
@@ -178,8 +180,9 @@ def collect_stats(work: str, rules: dict[str, list[str]], max_reports: int) -> S
     for part in _summed(folder, "clean"):
         for d, c in part["domains"].items():
             report.add_counts(per[d]["clean"], c)
+    by_rule = {r: _summed(folder, f"filter.{r}") for r in quality.RULE_ORDER}
     for d, active in rules.items():
-        removed = {r: sum(p["removed"].get(d, 0) for p in _summed(folder, f"filter.{r}")) for r in active}
+        removed = {r: sum(p["removed"].get(d, 0) for p in by_rule[r]) for r in active}
         documents = per[d]["clean"]["kept"]
         per[d]["filter"] = {"documents": documents, "kept": documents - sum(removed.values()), "removed": removed}
     malformed = {"count": count, "by_kind": dict(sorted(kinds.items())), "reports": reports[:max_reports],

@@ -230,7 +230,11 @@ class WriteShards(PipelineStep):
             local = os.path.join(self.out, path) if "://" not in self.out else None
             if local:
                 os.makedirs(os.path.dirname(local), exist_ok=True)
-            tmp = atomic.temp_path(local) if local else tempfile.mktemp(suffix=".array_record")
+            if local:
+                tmp = atomic.temp_path(local)
+            else:  # ArrayRecord writes local files: write one, then upload it whole
+                with tempfile.NamedTemporaryFile(suffix=".array_record", delete=False) as f:
+                    tmp = f.name
             documents = tokens = 0
             writer = ArrayRecordWriter(tmp, self.writer_options)
             for record in self._records(folder, entry, i):

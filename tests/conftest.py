@@ -87,8 +87,8 @@ def _drop_executables():
 # (--dist loadfile --no-loadscope-reorder, Makefile) gives whole files to workers in collection order, so a long file
 # started last would end the run on one worker while the other idles. The rest keep pytest's order after these.
 LONGEST_FIRST = ("test_rl.py", "test_context_parallel.py", "test_resilience.py", "test_pipeline.py",
-                 "test_multiprocess.py", "test_slurm.py", "test_sharding.py", "test_generate.py", "test_lora.py",
-                 "test_sft.py")
+                 "test_multiprocess.py", "test_slurm.py", "test_data_prep_executors.py", "test_sharding.py",
+                 "test_generate.py", "test_lora.py", "test_sft.py")
 
 
 def pytest_collection_modifyitems(config, items):

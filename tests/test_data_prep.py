@@ -405,7 +405,7 @@ def test_killed_run_resumes_to_the_same_dataset(tmp_path, small_corpus):
     assert proc.wait() == -signal.SIGKILL
     assert not (out / "metadata.json").exists()  # an incomplete dataset has no metadata
 
-    meta, run = run_pipeline(_config_from_argv(argv))
+    _, run = run_pipeline(_config_from_argv(argv))
     assert 1 <= run["skipped"]["prepare"] < 4 and run["skipped"]["write"] == 0
     assert all_files(str(out)) == all_files(str(reference))
     _, again = run_pipeline(_config_from_argv(argv))  # a complete run re-run: every task skipped, same bytes

@@ -37,6 +37,7 @@ from data_prep.work import load_json
 from glm46_jax.cli import InputError
 
 EXECUTORS = ("local", "slurm", "ray")
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # what Slurm tasks import data_prep from
 
 
 class StageFailed(RuntimeError):
@@ -52,7 +53,7 @@ class _QuietLocal(LocalPipelineExecutor):
 
 
 def _executor(cfg: PipelineConfig, plan: Plan, stage: str, pipeline: list, tasks: int, depends: Any = None) -> Any:
-    opts, logs = cfg.executor, f"{plan.work}/logs/{stage}"
+    opts, logs = cfg.executor, _logs(plan, stage, tasks)
     skip = stage != "finalize"  # metadata.json is rewritten by every run: present <=> this run completed
     if opts.kind == "local":
         return _QuietLocal(pipeline, tasks=tasks, workers=max(1, min(opts.workers, tasks)),
@@ -77,8 +78,8 @@ def _executor(cfg: PipelineConfig, plan: Plan, stage: str, pipeline: list, tasks
         # (DependencyNeverSatisfied) and keep --wait waiting
         sbatch_args={"mem-per-cpu": f"{max(1, round(opts.mem_per_cpu_gb * 1024))}M", "kill-on-invalid-dep": "yes"},
         # PYTHONPATH: the tasks import data_prep from the same checkout as this command
-        env_command=f"export PYTHONPATH={os.getcwd()}:$PYTHONPATH" + (f"; source {activate}"
-                                                                       if os.path.exists(activate) else ""))
+        env_command=f"export PYTHONPATH={CHECKOUT}:$PYTHONPATH" + (f"; source {activate}"
+                                                                      if os.path.exists(activate) else ""))
 
 
 def _check_survivors(cfg: PipelineConfig, plan: Plan) -> None:
@@ -96,8 +97,14 @@ def _check_survivors(cfg: PipelineConfig, plan: Plan) -> None:
         raise InputError(error)
 
 
+def _logs(plan: Plan, stage: str, tasks: int) -> str:
+    """datatrove's logs and completion markers of a stage. The write stage's task count is not part of the work
+    folder's hash (any count writes the same shards), so its markers are kept per count."""
+    return f"{plan.work}/logs/{stage}" + (f"-{tasks}" if stage == "write" else "")
+
+
 def _completed(plan: Plan, stage: str, tasks: int) -> int:
-    folder = get_datafolder(f"{plan.work}/logs/{stage}")
+    folder = get_datafolder(_logs(plan, stage, tasks))
     return sum(folder.isfile(f"completions/{rank:05d}") for rank in range(tasks)) if stage != "finalize" else 0
 
 
@@ -125,7 +132,7 @@ def run(cfg: PipelineConfig, wait: bool = False) -> dict[str, Any]:
         incomplete = tasks - _completed(plan, stage, tasks) if stage != "finalize" else 0
         if incomplete:
             raise StageFailed(f"stage {stage}: {incomplete} of {tasks} task(s) failed; logs in "
-                               f"{plan.work}/logs/{stage}/logs; re-run the same command to retry them")
+                              f"{_logs(plan, stage, tasks)}/logs; re-run the same command to retry them")
         if stage == "dedup":
             _check_survivors(cfg, plan)
     return {"work": plan.work, "skipped": skipped, "jobs": []}

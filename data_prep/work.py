@@ -9,7 +9,7 @@
     tokenizer.json, plan.json                                                 (stage dedup)
     tokens/<rank>.bin, tokens/<rank>.npy   token ids (int32) and TOKENS_DTYPE rows of surviving documents (tokenize)
     written/<rank>.json             what each write task wrote                (stage write)
-    logs/<stage>/                   datatrove's logs, stats and completion markers (what a re-run skips)
+    logs/<stage>/ (write: logs/write-<tasks>/)   datatrove's logs, stats and completion markers (what a re-run skips)
 
 A task owns a contiguous range of input files (`rank_files`), so (rank, position) orders like (input file, line).
 """

@@ -215,8 +215,9 @@ def s3_env():
         _stop(proc, grace_s=10)
 
 
-def test_s3_output_is_the_local_dataset(s3_env, corpus, reference, tmp_path):
-    """--out s3://bucket/ds with the intermediates under it (the default --work): the objects are the local files,
+def test_s3_input_and_output_give_the_local_dataset(s3_env, corpus, reference, tmp_path):
+    """--input s3://bucket/corpus (a directory of objects) and --out s3://bucket/ds with the intermediates under it
+    (the default --work): the objects are the local files (metadata.json too, but for the input spec it records),
     and the repo's loader reads the downloaded shards."""
     import boto3
 
@@ -225,15 +226,22 @@ def test_s3_output_is_the_local_dataset(s3_env, corpus, reference, tmp_path):
     s3 = boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"], region_name="us-east-1",
                       aws_access_key_id="testing", aws_secret_access_key="testing")
     s3.create_bucket(Bucket="bucket")
-    _pipeline(corpus, "s3://bucket/ds", "--executor", "local", "--workers", "1", env=s3_env)
-    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="bucket")
+    for name in sorted(os.listdir(corpus)):
+        s3.upload_file(os.path.join(corpus, name), "bucket", f"corpus/{name}")
+    s3.put_object(Bucket="bucket", Key="corpus/.hidden.jsonl", Body=b"not read: hidden")
+    remote = dict(reference)
+    meta = json.loads(remote["metadata.json"])
+    meta["config"]["ingest"]["inputs"] = [["prose", "s3://bucket/corpus"]]
+    remote["metadata.json"] = (json.dumps(meta, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
+
+    _pipeline("s3://bucket/corpus", "s3://bucket/ds", "--executor", "local", "--workers", "1", env=s3_env)
+    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="bucket", Prefix="ds/")
             for o in page.get("Contents", [])]
-    assert all(k.startswith("ds/") for k in keys), keys
     assert any(k.startswith("ds/_work/") and "/logs/finalize/" in k for k in keys)  # intermediates in the bucket
     assert not os.path.exists(os.path.join(ROOT, "s3:"))  # nor in a local folder named after the URL
     got = {k.removeprefix("ds/"): s3.get_object(Bucket="bucket", Key=k)["Body"].read()
            for k in keys if not k.startswith("ds/_work/")}
-    assert_same_dataset(got, reference)
+    assert_same_dataset(got, remote)
 
     root = tmp_path / "downloaded"
     for name, data in got.items():

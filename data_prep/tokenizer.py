@@ -13,6 +13,7 @@ Documents are encoded with `encode_special_tokens=True`: a document that *contai
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
@@ -103,7 +104,14 @@ def load(path: str, eos_token: str = EOS_TOKEN) -> TokenizerInfo:
 
 
 def encoder(info: TokenizerInfo) -> Tokenizer:
-    tok = Tokenizer.from_str(info.json)
+    return _encoder(info.json)
+
+
+@functools.lru_cache(maxsize=2)
+def _encoder(tokenizer_json: str) -> Tokenizer:
+    """One per process: each `Tokenizer` leaves ~3 MB behind once it has encoded (benchmarks/RESULTS.md), so a
+    worker running many tokenize tasks would grow with the task count."""
+    tok = Tokenizer.from_str(tokenizer_json)
     tok.encode_special_tokens = True
     return tok
 

@@ -210,11 +210,9 @@ class Finalize(PipelineStep):
         plan = load_json(folder, "plan.json")
         if plan["error"]:
             return
-        with folder.open("tokenizer.json", "r") as f:
-            tokenizer_json = f.read()
-        write_text(self.out, "tokenizer.json", tokenizer_json)
         source = self.tokenizer.path or "trained"
         tok = dataclasses.replace(load(f"{self.work}/tokenizer.json", self.tokenizer.eos_token), source=source)
+        write_text(self.out, "tokenizer.json", tok.json)  # the exact bytes: a loaded tokenizer is copied as is
         written: dict[str, Stats] = {}
         for p in sorted(folder.list_files("written", glob_pattern="*.json")):
             written.update(load_json(folder, p))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -114,22 +114,17 @@ class QualityRule(BaseFilter):
         self.name = rule
 
     def filter(self, doc: DTDocument) -> bool:
-        rules = self.rules[doc.metadata["domain"]]
-        return getattr(rules, self.rule) is None or not quality.fails(self.rule, doc.text, rules,
-                                                                      doc.metadata.setdefault("words", {}))
+        domain = doc.metadata["domain"]
+        rules = self.rules[domain]
+        failed = getattr(rules, self.rule) is not None and quality.fails(self.rule, doc.text, rules,
+                                                                         doc.metadata.setdefault("words", {}))
+        self.removed[domain] += failed
+        return not failed
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        removed = dict.fromkeys(self.rules, 0)
-        for doc in super().run(self._count(data, removed), rank, world_size):
-            removed[doc.metadata["domain"]] -= 1
-            yield doc
-        save_json(get_datafolder(self.work), f"counts/filter.{self.rule}/{rank:05d}.json", {"removed": removed})
-
-    @staticmethod
-    def _count(data: DocumentsPipeline, removed: dict[str, int]) -> Iterator[DTDocument]:
-        for doc in data:  # every input counts as removed until the filter passes it on
-            removed[doc.metadata["domain"]] += 1
-            yield doc
+        self.removed = dict.fromkeys(self.rules, 0)
+        yield from super().run(data, rank, world_size)
+        save_json(get_datafolder(self.work), f"counts/filter.{self.rule}/{rank:05d}.json", {"removed": self.removed})
 
 
 def quality_blocks(work: str, rules: dict[str, quality.QualityRules]) -> list[QualityRule]:
@@ -138,15 +133,15 @@ def quality_blocks(work: str, rules: dict[str, quality.QualityRules]) -> list[Qu
     return [QualityRule(work, r, rules) for r in used]
 
 
-class Store(Counted):
+class Store(PipelineStep):
     """Writes the task's surviving documents (`docs/<rank>.jsonl.gz`) and their index (`index/<rank>.npy`),
     and passes them on to the signature block."""
 
-    name, type, key = "store", "💽 - WRITER", "store"
+    name, type = "store", "💽 - WRITER"
 
     def __init__(self, work: str, domains: Sequence[str], heldout_fraction: float):
-        super().__init__(work)
-        self.domains, self.heldout_fraction = list(domains), heldout_fraction
+        super().__init__()
+        self.work, self.domains, self.heldout_fraction = work, list(domains), heldout_fraction
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         folder = get_datafolder(self.work)

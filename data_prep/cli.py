@@ -1,10 +1,13 @@
-"""`python -m data_prep COMMAND ...`: the corpus pipeline on a datatrove executor, and the SFT data.
+"""`python -m data_prep COMMAND ...`: the corpus pipeline on a datatrove executor, the SFT and the preference data.
 
     pipeline        --input DOMAIN=SPEC ... --out DIR     read, clean, filter, dedup, tokenize, write (resumable)
                     [--executor local|slurm|ray]          where the tasks run (pipeline.py, executors.py)
     sample          [--out data/sample]                   the stdlib corpus (code + prose) through `pipeline`
     sft             --input convs.jsonl ... --tokenizer T --out DIR   chats -> SFT samples + loss masks (sft.py)
     sample-sft      [--out data/sample_sft]               the templated sample chats through `sft`
+    preferences     --input pairs.jsonl ... --tokenizer T --out DIR   prompt + chosen / rejected -> two sequences
+                                                          per pair, the final reply's loss mask (preferences.py)
+    sample-preferences  [--out data/sample_preferences]   generated addition and chat pairs through `preferences`
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 from datatrove.io import get_datafolder
+from tokenizers import Tokenizer
 
-from data_prep import executors, pipeline, report, sample, sample_chats, sft
+from data_prep import executors, pipeline, preferences, report, sample, sample_chats, sample_preferences, sft
 from data_prep.executors import EXECUTORS
 from data_prep.inputs import ReaderOptions, parse_input
 from data_prep.minhash import MinHashConfig
@@ -28,6 +32,7 @@ from data_prep.tokenizer import EOS_TOKEN
 from data_prep.tokenizer import load as load_tokenizer
 from glm46_jax import atomic, cli
 from glm46_jax.cli import InputError
+from glm46_jax.interop import chat
 
 # A mistake in what the user gave; anything else is a bug and keeps its traceback. Path errors count:
 # the user named the path.
@@ -139,6 +144,27 @@ def _add_sft(p: Parser, sample: bool) -> None:
         g.add_argument("--seed", type=int, default=0, help="generator seed")
 
 
+def _add_preferences(p: Parser, sample: bool) -> None:
+    g = p.add_argument_group("preferences")
+    if not sample:
+        g.add_argument("--input", action="append", required=True, metavar="FILE.jsonl",
+                       help='one pair per line: {"messages" | "prompt": ..., "chosen": ..., "rejected": ..., '
+                            '"margin": float} (docs/preferences.md#input)')
+    g.add_argument("--tokenizer", required=not sample, default="data/sample/tokenizer.json" if sample else None,
+                   metavar="tokenizer.json", help="a tokenizer with GLM's chat tokens (the model's own)")
+    g.add_argument("--eos-token", default=EOS_TOKEN, help="end-of-text token of --tokenizer")
+    g.add_argument("--heldout-fraction", type=float, default=0.1,
+                   help="fraction of prompts (chosen by content hash) whose pairs go to the heldout split")
+    g.add_argument("--max-len", type=int, default=1024 if sample else 4096,
+                   help="most tokens in one pair (chosen + rejected, the prompt in each); longer pairs are skipped")
+    g.add_argument("--max-reports", type=int, default=1000, help="skipped-line reports kept in metadata")
+    if sample:
+        g.add_argument("--kinds", default=",".join(sample_preferences.KINDS),
+                       help=f"comma-separated pair kinds: {', '.join(sample_preferences.KINDS)}")
+        g.add_argument("--pairs", type=int, default=400, help="how many pairs to generate (split evenly by kind)")
+        g.add_argument("--seed", type=int, default=0, help="generator seed")
+
+
 def build_parser() -> Parser:
     parser = cli.ArgumentParser(prog="python -m data_prep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -160,6 +186,11 @@ def build_parser() -> Parser:
             lambda p: _add_sft(p, sample=False))
     command("sample-sft", "generate the sample chats and run `sft` on them", lambda p: _add_sft(p, sample=True),
             out="dataset directory (default: data/sample_sft)", out_default="data/sample_sft")
+    command("preferences", "preference pairs (JSONL) -> chosen/rejected sequences with final-reply loss masks",
+            lambda p: _add_preferences(p, sample=False))
+    command("sample-preferences", "generate the sample preference pairs and run `preferences` on them",
+            lambda p: _add_preferences(p, sample=True),
+            out="dataset directory (default: data/sample_preferences)", out_default="data/sample_preferences")
     return parser
 
 
@@ -269,11 +300,40 @@ def _run_sft(args: argparse.Namespace) -> None:
     print(f"-> {os.path.join(args.out, 'metadata.json')}")
 
 
+def _run_preferences(args: argparse.Namespace) -> None:
+    opts = preferences.PreferenceOptions(args.max_len, args.heldout_fraction, args.max_reports)
+    sample_run = args.command == "sample-preferences"
+    kinds = sample_preferences.parse_kinds(args.kinds) if sample_run else ()
+    inputs = [os.path.join(args.out, "_source", "pairs.jsonl")] if sample_run else args.input
+    if not os.path.isfile(args.tokenizer):
+        raise InputError(f"--tokenizer {args.tokenizer}: no such file; pass the model's tokenizer.json (the sample "
+                         "corpus's comes from `python -m data_prep sample`, i.e. `make data`)")
+    info = load_tokenizer(args.tokenizer, args.eos_token)
+    tok = Tokenizer.from_str(info.json)
+    if not chat.has_chat_tokens(tok):
+        raise InputError(f"tokenizer {args.tokenizer} lacks GLM's chat tokens (docs/chat.md#special-tokens); use "
+                         "data_prep's trained tokenizer or GLM's own")
+    if sample_run:
+        generated = sample_preferences.pairs(args.pairs, kinds, args.seed)
+        atomic.write_text(inputs[0], sample_preferences.jsonl(generated))
+    pairs, skipped, lines = preferences.read_pairs(inputs, tok, opts.max_len)
+    if not pairs:
+        first = f"; first: {skipped[0]['message']}" if skipped else ""
+        raise InputError(f"no valid preference pair in {', '.join(inputs)} ({lines} non-blank line(s)){first}")
+    meta = preferences.write_preference_dataset(args.out, info, inputs, pairs, skipped, lines, opts)
+    for line in preferences.report_lines(meta, skipped):
+        print(line, file=sys.stderr)
+    print("\n".join(preferences.summary_lines(meta)))
+    print(f"-> {os.path.join(args.out, 'metadata.json')}")
+
+
 def run(args: argparse.Namespace) -> None:
     start = time.time()
     check_out(args.out)
     if args.command in ("sft", "sample-sft"):
         return _run_sft(args)
+    if args.command in ("preferences", "sample-preferences"):
+        return _run_preferences(args)
     if args.command == "sample":
         inputs, found = sample.build_sources(args.out, args.max_docs_per_domain)
         print(f"sample: {found['code_candidates']} code / {found['prose_candidates']} prose candidates from "

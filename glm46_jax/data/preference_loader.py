@@ -1,0 +1,216 @@
+"""Grain pipeline over a preference dataset (`python -m data_prep preferences`): pairs -> packed rows -> batches.
+
+Input: `<root>/metadata.json` ("kind": "preferences") and `<root>/<split>/{tokens,assistant_mask,offsets,margin}.npy`,
+sequence 2i being pair i's chosen reply and 2i + 1 its rejected one (docs/preferences.md#the-dataset-on-disk).
+
+    cfg = PreferenceLoaderConfig(root="data/sample_preferences", pairs_per_row=4)
+    it = iter(preference_batches(cfg, seq_len=1024, global_batch=8))
+    batch = next(it)                              # docs/preferences.md#the-batch
+    state = iterator_state.to_json(it)            # into the checkpoint; iterator_state.restore(it, state) resumes
+
+Pipeline: pairs (memory-mapped; one pair = one element whose tokens are chosen ++ rejected) -> shuffle(seed) ->
+repeat(num_epochs) -> [p::n] -> iter -> Grain's best-fit packing into rows of exactly seq_len tokens, at most
+pairs_per_row pairs a row (a pair never spans rows, its two sequences are always in the same row) -> the row's
+fields -> batch.
+
+The batch, per row (all int32 except margin):
+  inputs, targets, positions, segment_ids, loss_mask  [rows, seq_len]  slot k's chosen is segment 2k + 1, its
+      rejected 2k + 2, padding 0; positions restart per sequence; targets[j] = inputs[j + 1] within a sequence, else
+      the pad id; loss_mask[j] = 1 iff targets[j] is a reply token of the same sequence. No seq_len + 1 shift: the
+      last token of every sequence is an input (its target is padding), so a reward head can read its hidden state.
+  chosen_end, rejected_end  [rows, pairs_per_row]  the position in the row of slot k's last reply token (its
+      end-of-turn token), 0 for an empty slot
+  pair_mask  [rows, pairs_per_row]  1 where slot k holds a pair
+  margin  float32 [rows, pairs_per_row]  the pair's margin, 0 for an empty slot
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import grain
+import numpy as np
+
+from glm46_jax.cli import InputError
+from glm46_jax.data import loader
+
+Batch = dict[str, np.ndarray]
+SEQUENCE_FIELDS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")  # int32 [rows, seq_len]
+PAIR_FIELDS = ("chosen_end", "rejected_end", "pair_mask", "margin")  # [rows, pairs_per_row]; margin float32
+CHOSEN, REJECTED = 1, 2  # the packed "side" feature; 0 = padding
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceLoaderConfig:
+    root: str
+    split: str = "train"
+    seed: int = 0
+    shuffle: bool = True  # a new order every epoch (Grain's shuffle reseeds per epoch of the repeat)
+    num_epochs: int | None = None  # None = repeat forever (training); 1 = one pass (evaluation)
+    pairs_per_row: int = 4  # most pairs packed into one row (the width of the per-pair fields)
+    pack_bins: int = 64  # rows packed at once: more bins, less padding, more memory
+    process_index: int | None = None  # None = jax.process_index()
+    process_count: int | None = None  # None = jax.process_count()
+
+    def __post_init__(self):
+        if self.split not in loader.SPLITS:
+            raise InputError(f"PreferenceLoaderConfig.split={self.split!r}: must be one of {loader.SPLITS}")
+        if self.pairs_per_row < 1 or self.pack_bins < 1 or (self.num_epochs is not None and self.num_epochs < 1):
+            raise InputError("PreferenceLoaderConfig: pairs_per_row, pack_bins and num_epochs must be >= 1")
+
+    @property
+    def processes(self) -> tuple[int, int]:
+        """(index, count) of this process among the data-loading processes."""
+        return loader.process_slot(self.process_index, self.process_count, "PreferenceLoaderConfig")
+
+
+def read_preference_metadata(root: str) -> dict[str, Any]:
+    path = os.path.join(root, "metadata.json")
+    if not os.path.isfile(path):
+        raise InputError(f"{path} not found: point the preference loader at a dataset written by "
+                         "`python -m data_prep preferences`")
+    with open(path, encoding="utf-8") as f:
+        try:
+            meta = json.load(f)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); re-run "
+                             "`python -m data_prep preferences`") from None
+    if not isinstance(meta, dict) or meta.get("kind") != "preferences":
+        raise InputError(f"{path}: not a preference dataset (no \"kind\": \"preferences\"); write one with "
+                         "`python -m data_prep preferences`")
+    return meta
+
+
+class PairSource(grain.sources.RandomAccessDataSource):
+    """The pairs of one split, each {"tokens", "assistant_mask", "side"}: int32 [len(chosen) + len(rejected)], side
+    1 on the chosen tokens and 2 on the rejected ones, and "margin": a float32 scalar. Arrays are memory-mapped on
+    first use, so the source pickles small."""
+
+    def __init__(self, root: str, split: str):
+        self.root, self.split = root, split
+        self._arrays: dict[str, np.ndarray] | None = None
+        self._len = len(np.load(os.path.join(root, split, "margin.npy"), mmap_mode="r"))
+
+    def _load(self) -> dict[str, np.ndarray]:
+        if self._arrays is None:
+            self._arrays = {name: np.load(os.path.join(self.root, self.split, f"{name}.npy"), mmap_mode="r")
+                            for name in ("tokens", "assistant_mask", "offsets", "margin")}
+        return self._arrays
+
+    def __getstate__(self):
+        return {**self.__dict__, "_arrays": None}
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        a = self._load()
+        lo, mid, hi = (int(x) for x in a["offsets"][2 * index:2 * index + 3])
+        side = np.full(hi - lo, REJECTED, np.int32)
+        side[:mid - lo] = CHOSEN
+        return {"tokens": np.asarray(a["tokens"][lo:hi], np.int32),
+                "assistant_mask": np.asarray(a["assistant_mask"][lo:hi], np.int32), "side": side,
+                "margin": np.float32(a["margin"][index])}
+
+
+def split_pairs(cfg: PreferenceLoaderConfig) -> grain.IterDataset:
+    """This process's pairs of the split, shuffled per epoch, repeated `num_epochs` times (None: forever)."""
+    source = PairSource(cfg.root, cfg.split)
+    if not len(source):
+        raise InputError(f"{cfg.root}: the {cfg.split} split has no pairs (see metadata.json's splits)")
+    ds = grain.MapDataset.source(source)
+    if cfg.shuffle:
+        ds = ds.shuffle(seed=cfg.seed)
+    ds = ds.repeat(cfg.num_epochs)
+    index, count = cfg.processes
+    # Shuffle before slicing: one global order per epoch, so the processes' pairs are disjoint.
+    return ds[index::count].to_iter_dataset()
+
+
+def pack_pairs(pairs: grain.IterDataset, seq_len: int, pairs_per_row: int, pad_id: int, pack_bins: int = 64,
+               seed: int = 0) -> grain.IterDataset:
+    """Rows of seq_len tokens holding whole pairs: Grain numbers the pairs of a row 1, 2, ... in row order
+    (`tokens_segment_ids`); the mask and side travel as packed meta features, the margins as the row's list."""
+    return grain.experimental.BestFitPackIterDataset(
+        pairs, length_struct={"tokens": seq_len, "assistant_mask": seq_len, "side": seq_len},
+        num_packing_bins=pack_bins, seed=seed, meta_features=("assistant_mask", "side", "margin"),
+        padding_struct={"tokens": pad_id, "assistant_mask": 0, "side": 0}, max_sequences_per_bin=pairs_per_row)
+
+
+def preference_row(row: Mapping[str, Any], pad_id: int, pairs_per_row: int) -> dict[str, np.ndarray]:
+    """A packed row -> the batch fields of the module docstring (one row, no batch axis)."""
+    pair = np.asarray(row["tokens_segment_ids"], np.int32)
+    side = np.asarray(row["side"], np.int32)
+    mask = np.asarray(row["assistant_mask"]) != 0
+    n = len(pair)
+    segment_ids = np.where(pair > 0, 2 * pair - 2 + side, 0).astype(np.int32)
+    inputs = np.where(segment_ids > 0, np.asarray(row["tokens"]), pad_id).astype(np.int32)
+    index = np.arange(n)
+    starts = np.concatenate([[True], segment_ids[1:] != segment_ids[:-1]])
+    positions = np.where(segment_ids > 0, index - np.maximum.accumulate(np.where(starts, index, 0)), 0)
+    same = np.concatenate([(segment_ids[1:] == segment_ids[:-1]) & (segment_ids[:-1] != 0), [False]])
+    targets = np.where(same, np.concatenate([inputs[1:], [pad_id]]), pad_id).astype(np.int32)
+    loss_mask = same & np.concatenate([mask[1:], [False]])
+    margins = list(row["margin"])
+    count = int(pair.max(initial=0))
+    if count > pairs_per_row or len(margins) != count:
+        raise AssertionError(f"a packed row holds {count} pairs and {len(margins)} margins (at most {pairs_per_row})")
+    ends = np.zeros((2, pairs_per_row), np.int32)
+    for k in range(count):
+        for s in (CHOSEN, REJECTED):
+            reply = np.flatnonzero((segment_ids == 2 * k + s) & mask)
+            ends[s - 1, k] = reply[-1]
+    out = {"inputs": inputs, "targets": targets, "positions": positions.astype(np.int32), "segment_ids": segment_ids,
+           "loss_mask": loss_mask.astype(np.int32), "chosen_end": ends[0], "rejected_end": ends[1],
+           "pair_mask": (np.arange(pairs_per_row) < count).astype(np.int32),
+           "margin": np.zeros(pairs_per_row, np.float32)}
+    out["margin"][:count] = margins
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Row(grain.transforms.Map):
+    pad_id: int
+    pairs_per_row: int
+
+    def map(self, row: dict[str, Any]) -> dict[str, np.ndarray]:
+        return preference_row(row, self.pad_id, self.pairs_per_row)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PadBatch(grain.transforms.Map):
+    """The short last batch of a finite pass, filled with empty rows (pad tokens, segment 0, no loss, no pairs)."""
+    rows: int
+    pad_id: int
+
+    def map(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return loader.pad_rows(batch, self.rows, self.pad_id)
+
+
+def preference_batches(cfg: PreferenceLoaderConfig, seq_len: int, global_batch: int) -> grain.IterDataset:
+    """This process's share (global_batch / process_count rows) of each batch (docs/preferences.md#the-batch).
+
+    With num_epochs set, the pass ends with a padded short batch instead of dropping the rest, so one pass sees
+    every pair exactly once."""
+    meta = read_preference_metadata(cfg.root)
+    split = meta["splits"][cfg.split]
+    if not int(split["pairs"]):
+        raise InputError(f"{cfg.root}: the {cfg.split} split has no pairs (see metadata.json's splits)")
+    longest = int(split["max_pair_tokens"])
+    if longest > seq_len:
+        raise InputError(f"{cfg.root}: the longest {cfg.split} pair is {longest} tokens (chosen + rejected, which "
+                         f"share a row) > seq_len={seq_len}: set seq_len >= {longest}, or re-run "
+                         f"`python -m data_prep preferences` with --max-len {seq_len} to skip the longer pairs")
+    rows = loader.local_rows(global_batch, cfg.processes[1])
+    pad_id = int(meta["tokenizer"]["pad_id"])
+    packed = pack_pairs(split_pairs(cfg), seq_len, cfg.pairs_per_row, pad_id, cfg.pack_bins, cfg.seed)
+    return packed.map(_Row(pad_id, cfg.pairs_per_row)).batch(rows, drop_remainder=False).map(_PadBatch(rows, pad_id))
+
+
+def split_pair_count(root: str, split: str) -> int:
+    """Pairs in one pass over the split, from metadata.json."""
+    return int(read_preference_metadata(root)["splits"][split]["pairs"])

@@ -33,7 +33,7 @@ ARGS        ?=
 TEST_WORKERS ?= 2
 # torch/transformers for the fixture generator (tests/fixtures/make_hf_fixtures.py was run with these).
 # HF_PIP_ARGS can add e.g. "--index-url https://download.pytorch.org/whl/cpu" to avoid the CUDA torch wheels.
-HF_PKGS     ?= torch==2.13.0 transformers==5.23.0 safetensors numpy
+HF_PKGS     ?= torch==2.13.0 transformers==5.23.0 safetensors numpy trl==1.16.0
 HF_PIP_ARGS ?=
 
 .PHONY: venv test test-jax-min train sft rl data fixtures clean
@@ -140,6 +140,7 @@ rl: runs/sft_rl_addition/status.json
 
 fixtures: $(VENV_HF)/.installed
 	$(PY_HF) tests/fixtures/make_hf_fixtures.py --out tests/fixtures
+	$(PY_HF) tests/fixtures/make_trl_fixtures.py --out tests/fixtures
 
 $(VENV_HF)/.installed:
 	@py="$(PYTHON_HF)"; \

@@ -141,6 +141,7 @@ rl: runs/sft_rl_addition/status.json
 fixtures: $(VENV_HF)/.installed
 	$(PY_HF) tests/fixtures/make_hf_fixtures.py --out tests/fixtures
 	$(PY_HF) tests/fixtures/make_trl_fixtures.py --out tests/fixtures
+	$(PY_HF) tests/fixtures/make_reward_fixtures.py --out tests/fixtures  # after hf_full: copies it
 
 $(VENV_HF)/.installed:
 	@py="$(PYTHON_HF)"; \

@@ -55,6 +55,6 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c = fine_tuning_config(os.path.dirname(os.path.abspath(__file__)), "grpo", preset, p)
     rl = dataclasses.asdict(RLConfig())
     rl.update(p["rl"])
-    c.rl = {k: list(v) if isinstance(v, tuple) else v for k, v in rl.items()}
+    c.rl = rl  # tuples stay tuples: ml_collections overrides them from the command line, lists it cannot
     c.lora = dataclasses.asdict(LoRAConfig(rank=16, alpha=32.0))
     return c

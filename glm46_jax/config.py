@@ -61,6 +61,11 @@ class ModelConfig:
     pad_token_id: int | None = 151329
     eos_token_id: tuple[int, ...] = (151329, 151336, 151338)
 
+    # --- ours, not HF's (architecture: a checkpoint's value must match) -----------------------
+    # Outputs of a linear head on the final-normed hidden state: 1 for a reward model or a PPO critic
+    # (docs/preferences.md#the-score-head); 0 = none. Not in config.json: the export writes it as score.safetensors.
+    score_head: int = 0
+
     # --- runtime (not part of the HF config) ---------------------------------------------
     dtype: str = "float32"  # compute dtype of activations and matmuls
     param_dtype: str = "float32"  # master weights
@@ -108,6 +113,7 @@ class ModelConfig:
         check_range("model", self, "routed_scaling_factor", gt=0, meaning="multiplies the routed experts' weights")
         check_range("model", self, "initializer_range", gt=0, meaning="the std of the normal weight init")
         check_range("model", self, "moe_capacity_factor", ge=0, meaning="0 means dropless")
+        check_range("model", self, "score_head", ge=0, meaning="outputs of the score head, 0 = none")
         for f, v in (("pad_token_id", self.pad_token_id), *(("eos_token_id", v) for v in self.eos_token_id)):
             if v is not None:
                 fail(f, isinstance(v, numbers.Integral) and 0 <= v < self.vocab_size,
@@ -230,7 +236,7 @@ def model_config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
 RUNTIME_FIELDS = ("dtype", "param_dtype", "attention_impl", "attention_block_q", "attention_block_kv",
                   "moe_capacity_factor", "moe_block_size", "moe_block_group", "moe_dispatch", "remat", "scan_unroll",
                   "pipeline_microbatches", "pipeline_repeats")
-_HF_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME_FIELDS)
+_HF_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME_FIELDS + ("score_head",))
 _HF_ALIASES = {"num_mtp_layers": "num_nextn_predict_layers", "num_local_experts": "n_routed_experts"}
 
 

@@ -29,6 +29,8 @@ from glm46_jax.data.curriculum import Curriculum
 from glm46_jax.model.lora import LoRAConfig
 from glm46_jax.parallel.distributed import DistributedConfig
 from glm46_jax.parallel.sharding import MESH_AXES
+from glm46_jax.recipes.ppo.config import PPOConfig
+from glm46_jax.recipes.preference.config import PreferenceConfig, preference_steps
 from glm46_jax.training.balancing import BalanceConfig
 from glm46_jax.training.loss import LossConfig
 from glm46_jax.training.optim import OptimConfig
@@ -128,6 +130,8 @@ class RLConfig:
     routing_replay: bool = True
     rewards: tuple[str, ...] = ("exact_answer",)
     reward_weights: tuple[float, ...] = (1.0,)
+    reward_model: str = ""  # with "reward_model" in rewards: a `reward` run or its export (scored on the mesh)
+    heldout_rewards: tuple[str, ...] = ()  # held-out accuracy's rewards (weight 1 each); () = rewards, weighted
     pass_threshold: float = 1.0  # a sample passes when its weighted reward reaches this
     dynamic_sampling: bool = True  # drop groups whose rewards all agree, refill from the pool
     max_refill_rounds: int = 3
@@ -159,6 +163,11 @@ class RLConfig:
         check_field("rl", "rewards", self.rewards, len(self.rewards) == len(self.reward_weights) > 0,
                     f"needs one weight each (reward_weights={self.reward_weights})",
                     "set --config.rl.rewards and --config.rl.reward_weights to lists of the same length")
+        named = "reward_model" in self.rewards + self.heldout_rewards
+        check_field("rl", "reward_model", self.reward_model, bool(self.reward_model) == named,
+                    "must be set exactly when rl.rewards or rl.heldout_rewards names \"reward_model\" "
+                    f"(rewards={self.rewards}, heldout_rewards={self.heldout_rewards})",
+                    "set --config.rl.reward_model=<reward run or export>, or drop \"reward_model\" from the rewards")
 
     @property
     def updates_per_rollout(self) -> int:
@@ -205,10 +214,12 @@ class RunConfig:
     # The config file's values as given (JSON): written to run_dir/config.json and the checkpoints' meta,
     # so a run can be reproduced from them.
     source: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
-    recipe: str = "pretrain"  # a name in RECIPES: pretrain (and mid-training) | sft | grpo
+    recipe: str = "pretrain"  # a name in RECIPES: pretrain (and mid-training) | sft | grpo | ppo | reward | dpo
     sft: SFTConfig | None = None  # recipe "sft": the chat data and full vs LoRA
     lora: LoRAConfig | None = None  # sft.method / rl.method "lora": the adapters
     rl: RLConfig | None = None  # recipe "grpo": reinforcement learning with verifiable rewards
+    preference: PreferenceConfig | None = None  # recipes "reward" and "dpo": preference pairs
+    ppo: PPOConfig | None = None  # recipe "ppo" (with the rl section): the critic and the PPO objective
 
     def __post_init__(self):
         check_choice("config", self, "recipe", tuple(RECIPES))
@@ -265,13 +276,31 @@ def _check_sft(cfg: RunConfig) -> None:
 def _check_grpo(cfg: RunConfig) -> None:
     stages, context = cfg.mesh.sizes().get("pipeline", 1), cfg.mesh.sizes().get("context", 1)
     if stages > 1:
-        raise InputError(f"mesh.pipeline={stages} with recipe grpo: RL samples with the KV-cache generator and "
+        raise InputError(f"mesh.pipeline={stages} with recipe {cfg.recipe}: RL samples with the KV-cache generator and "
                          "replays routing, which run the layers in order, not in pipeline stages; set "
                          "mesh.pipeline=1 (give the devices to mesh.data or mesh.expert)")
     if context > 1:
-        raise InputError(f"mesh.context={context} with recipe grpo: RL samples with the KV-cache generator, "
+        raise InputError(f"mesh.context={context} with recipe {cfg.recipe}: RL samples with the KV-cache generator, "
                          "which keeps each sequence whole on a device; set mesh.context=1 (give the devices to "
                          "mesh.data or mesh.expert)")
+
+
+def _check_ppo(cfg: RunConfig) -> None:
+    if cfg.ppo is None:
+        raise InputError("recipe=ppo needs a config.ppo section (the critic and the PPO objective; see configs/ppo.py)")
+    if cfg.ppo.critic_method == "lora" and cfg.lora is None:
+        raise InputError("ppo.critic_method=lora needs a config.lora section (rank, alpha, targets; see configs/ppo.py)")
+    _check_grpo(cfg)
+
+
+def _check_preference(cfg: RunConfig) -> None:
+    stages, context = cfg.mesh.sizes().get("pipeline", 1), cfg.mesh.sizes().get("context", 1)
+    if context > 1:
+        raise InputError(f"mesh.context={context} with recipe {cfg.recipe}: a preference batch reads each reply's "
+                         "last position per row, which the context layout splits; set mesh.context=1")
+    if stages > 1 and cfg.preference.method == "lora":
+        raise InputError(f"mesh.pipeline={stages} with preference.method=lora: LoRA adapters are not built for the "
+                         "pipeline's layer layout; set mesh.pipeline=1 (or preference.method=full)")
 
 
 # Every recipe `python -m glm46_jax.train` runs, by `config.recipe`: the one table the driver looks them up in.
@@ -280,6 +309,12 @@ RECIPES: dict[str, RecipeEntry] = {
     "sft": RecipeEntry("glm46_jax.recipes.sft:build", lambda c: sft_steps(c.sft, c.train.steps), "sft", _check_sft),
     "grpo": RecipeEntry("glm46_jax.recipes.grpo.recipe:build", lambda c: rl_steps(c.rl, c.train.steps), "rl",
                         _check_grpo),
+    "ppo": RecipeEntry("glm46_jax.recipes.ppo.recipe:build", lambda c: rl_steps(c.rl, c.train.steps), "rl",
+                       _check_ppo),
+    "reward": RecipeEntry("glm46_jax.recipes.preference.recipe:build_reward",
+                          lambda c: preference_steps(c.preference, c.train.steps), "preference", _check_preference),
+    "dpo": RecipeEntry("glm46_jax.recipes.preference.recipe:build_dpo",
+                       lambda c: preference_steps(c.preference, c.train.steps), "preference", _check_preference),
 }
 
 
@@ -309,17 +344,21 @@ def from_config_dict(config: Any) -> RunConfig:
     rl = None
     if d.get("rl") is not None:
         rl_values = dict(d["rl"])
-        for key in ("rewards", "reward_weights"):  # JSON lists -> the dataclass's tuples
+        for key in ("rewards", "reward_weights", "heldout_rewards"):  # JSON lists -> the dataclass's tuples
             if isinstance(rl_values.get(key), list):
                 rl_values[key] = tuple(rl_values[key])
         rl = _section(RLConfig, "rl", rl_values)
+    preference = _section(PreferenceConfig, "preference", d["preference"]) if d.get("preference") is not None \
+        else None
+    ppo = _section(PPOConfig, "ppo", d["ppo"]) if d.get("ppo") is not None else None
     cfg = RunConfig(
         run_dir=os.path.abspath(d["run_dir"]), model=model_config_from_dict(d["model"]),
         mesh=_section(MeshConfig, "mesh", d["mesh"]), train=train_cfg,
         checkpoint=_section(CheckpointConfig, "checkpoint", d["checkpoint"]), data=data_cfg,
         distributed=_section(DistributedConfig, "distributed", d.get("distributed", {})),
         optim=_section(OptimConfig, "optim", d["optim"]), loss=_section(LossConfig, "loss", d["loss"]),
-        balance=_section(BalanceConfig, "balance", d["balance"]), source=d, recipe=recipe, sft=sft, lora=lora, rl=rl)
+        balance=_section(BalanceConfig, "balance", d["balance"]), source=d, recipe=recipe, sft=sft, lora=lora, rl=rl,
+        preference=preference, ppo=ppo)
     if cfg.optim.decay_steps <= 0:  # 0 = the schedule spans the run
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=cfg.total_steps))
     return cfg

@@ -37,7 +37,7 @@ from glm46_jax import cli
 from glm46_jax.cli import InputError
 from glm46_jax.config import ModelConfig, model_config_from_dict
 from glm46_jax.interop import chat
-from glm46_jax.interop import hf
+from glm46_jax.interop import hf, reward
 from glm46_jax.model import ExpertBias, abstract_model
 from glm46_jax.model.transformer import MTPLayer
 from glm46_jax.parallel import sharding
@@ -232,6 +232,8 @@ def ckpt_to_hf(run_dir: str, out: str, *, step: int | None = None, dtype: str = 
                       "config.json only, which servers cannot load without a tokenizer", stacklevel=2)
     with _staged(out, force, step_dir) as tmp:
         hf.save_hf(tmp, cfg, params, buffers, dtype=dtype, max_shard_bytes=max_shard_bytes, mtp_copies=mtp_copies)
+        if cfg.score_head:  # a reward model / critic: the causal-LM directory plus its head
+            reward.save_score_head(tmp, cfg, params, dtype)
         if tokenizer:
             shutil.copyfile(tokenizer, os.path.join(tmp, "tokenizer.json"))
         for name, content in extra.items():

@@ -64,7 +64,8 @@ class _Reader:
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise InputError(f"{index}: not a safetensors index (a JSON object with a weight_map): {e!r}") from e
         else:
-            files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
+            # A reward model's head sits beside the causal-LM weights (glm46_jax.interop.reward); it is not theirs.
+            files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors") and f != "score.safetensors")
         if not files:
             raise FileNotFoundError(f"{hf_dir}: no *.safetensors files (and no model.safetensors.index.json)")
         self._where: dict[str, object] = {}

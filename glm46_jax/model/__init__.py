@@ -83,14 +83,15 @@ def apply(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, tokens:
           cache: GenerationCache | None = None, index: Int[Array, ""] | Int[Array, "b"] | int = 0,
           start: Int[Array, "b"] | None = None, expert_ids: Int[Array, "l b s k"] | None = None,
           next_tokens: Int[Array, "b s"] | None = None, with_mtp: bool = True,
-          hidden: Float[Array, "b s d"] | None = None) -> ModelOutput:
+          hidden: Float[Array, "b s d"] | None = None, with_logits: bool = True) -> ModelOutput:
     """The model's one pure forward pass: logits, final hidden state, MTP logits, router statistics and, given a
     KV cache, the updated cache. Arguments as `GLMMoE.__call__`:
 
         apply(g, p, b, tokens)                                              # training / scoring: whole rows
         apply(g, p, b, tokens, positions, cache=c, index=i, start=s, with_mtp=False)   # a generation step
         apply(g, p, b, None, positions, cache=c, index=i, start=s, hidden=h, next_tokens=n)  # MTP drafting
+        apply(g, p, b, tokens, with_logits=False, with_mtp=False).scores    # a reward model / critic
     """
     return nnx.merge(graphdef, params, buffers)(tokens, positions, segment_ids, cache=cache, index=index, start=start,
                                                 expert_ids=expert_ids, next_tokens=next_tokens, with_mtp=with_mtp,
-                                                hidden=hidden)
+                                                hidden=hidden, with_logits=with_logits)

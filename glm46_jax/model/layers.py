@@ -20,6 +20,11 @@ class ExpertBias(nnx.Variable):
     """
 
 
+class Head(nnx.Param):
+    """The score head's weight (a reward model's, a critic's): a Param of its own kind so that a LoRA run trains it
+    in full beside the adapters (PEFT's `modules_to_save`), while the backbone stays frozen."""
+
+
 def normal_init(cfg: ModelConfig):
     # HF `_init_weights`: normal(0, initializer_range) for linear, embedding and router weights.
     return nnx.initializers.normal(cfg.initializer_range)

@@ -5,8 +5,8 @@
     grads = jax.grad(lambda a: loss(combine(a, base)))(adapters)       # only the adapters are trained
     plain_graphdef, params = merge_adapters(graphdef, adapters, base, buffers, mesh)   # for save_hf
 
-`adapters` holds only `LoRA` leaves (A, B, DoRA magnitudes, fp32); `base` the frozen `nnx.Param` weights
-(bf16 if `base_dtype` asks); `buffers` the MoE correction biases, as for the plain model.
+`adapters` holds only `LoRA` leaves (A, B, DoRA magnitudes, fp32) and, on a model with a score head, its `Head`
+weight (trained in full); `base` the frozen `nnx.Param` weights (bf16 if `base_dtype` asks); `buffers` the MoE correction biases, as for the plain model.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from flax import nnx
 from glm46_jax.cli import InputError, check_choice, check_field, check_known_fields, check_range
 from glm46_jax.model.adapters import Adapter, LoRA
 from glm46_jax.model.attention import Attention
-from glm46_jax.model.layers import MLP, ExpertBias
+from glm46_jax.model.layers import MLP, ExpertBias, Head
 from glm46_jax.model.moe import MoE
 from glm46_jax.model.paths import LAYER_STACKS
 from glm46_jax.parallel import sharding
@@ -32,6 +32,7 @@ from glm46_jax.parallel import sharding
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 FFN = ("gate_proj", "up_proj", "down_proj")
 EXPERT_MODES = ("none", "per_expert", "shared")
+TRAINED = nnx.Any(LoRA, Head)  # what a LoRA run trains: the adapters and a score head, if the model has one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +184,7 @@ def add_adapters(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, 
             setattr(owner(model, t), f"{t.attr}_lora",
                     Adapter(LoRA(a, out_sharding=a_lay[1]), LoRA(b, out_sharding=b_lay[1]), mag, lcfg.scale,
                             t.n_in, t.n_out))
-        graphdef, adapters, base, buffers = nnx.split(model, LoRA, nnx.Param, ExpertBias)
+        graphdef, adapters, base, buffers = nnx.split(model, TRAINED, nnx.Param, ExpertBias)
     if lcfg.base_dtype != "float32":
         base = jax.tree.map(lambda x: x.astype(lcfg.base_dtype), base)
     return graphdef, adapters, base, buffers
@@ -204,7 +205,7 @@ def combine(adapters: nnx.State, base: nnx.State) -> nnx.State:
 
 def partition(params: nnx.State) -> tuple[nnx.State, nnx.State]:
     """`combine`'s inverse: (adapters, base)."""
-    return nnx.split_state(params, LoRA, ...)
+    return nnx.split_state(params, TRAINED, ...)
 
 
 def merge_adapters(graphdef: nnx.GraphDef, adapters: nnx.State, base: nnx.State, buffers: nnx.State,

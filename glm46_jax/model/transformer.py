@@ -12,7 +12,7 @@ from jaxtyping import Array, Float, Int
 from glm46_jax.config import ModelConfig
 from glm46_jax.model import pipeline
 from glm46_jax.model.attention import Attention, KVCache, cache_mask, self_attention_mask
-from glm46_jax.model.layers import MLP, RMSNorm, param, rope_cos_sin
+from glm46_jax.model.layers import MLP, Head, RMSNorm, normal_init, param, rope_cos_sin
 from glm46_jax.model.moe import MoE
 from glm46_jax.parallel.sharding import context_size, load_balanced_order, logical, weight, whole_along
 
@@ -135,6 +135,7 @@ class ModelOutput:
     mtp_logits: Float[Array, "b s v"] | None  # row t predicts token t+2; the last row has no target
     aux: dict[str, Any]  # per-MoE-layer router statistics, stacked [num_moe_layers (+1 for MTP), ...]
     cache: GenerationCache | None = None  # with a cache in: the cache with these rows written
+    scores: Float[Array, "b s n"] | None = None  # the score head's outputs (fp32), with model.score_head > 0
 
     @property
     def routing(self) -> Int[Array, "l b s k"] | None:
@@ -163,12 +164,18 @@ class GLMMoE(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg)
         self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg)
         self.mtp = MTPLayer(cfg, rngs=rngs) if cfg.num_nextn_predict_layers else None
+        if cfg.score_head:  # HF's *ForSequenceClassification `score`: a bias-free linear map of the final hidden
+            self.score = Head(normal_init(cfg)(rngs.params(), (cfg.hidden_size, cfg.score_head),
+                                               jnp.dtype(cfg.param_dtype)), out_sharding=("embed", None))
+        else:
+            self.score = None
 
     def __call__(self, tokens: Int[Array, "b s"] | None, positions: Int[Array, "b s"] | None = None,
                  segment_ids: Int[Array, "b s"] | None = None, *, cache: GenerationCache | None = None,
                  index: Int[Array, ""] | Int[Array, "b"] | int = 0, start: Int[Array, "b"] | None = None,
                  expert_ids: Int[Array, "l b s k"] | None = None, next_tokens: Int[Array, "b s"] | None = None,
-                 with_mtp: bool = True, hidden: Float[Array, "b s d"] | None = None) -> ModelOutput:
+                 with_mtp: bool = True, hidden: Float[Array, "b s d"] | None = None,
+                 with_logits: bool = True) -> ModelOutput:
         """The forward pass (every caller's: training, scoring, generation, speculative decoding, RL replay).
 
         Without a cache: whole rows, causal (+ same-document with `segment_ids`). On a mesh with a context axis > 1
@@ -179,7 +186,8 @@ class GLMMoE(nnx.Module):
         padding, masked out of every attention). The MTP layer then runs only when asked for, with `next_tokens`, on
         `cache.mtp`. `hidden` (the final-normed trunk output of an earlier call, `tokens` None): run only the MTP
         layer on it (speculative drafting, once the next tokens are known). `expert_ids`: routing replay for the
-        trunk's MoE layers (not the MTP layer's)."""
+        trunk's MoE layers (not the MTP layer's). `with_logits=False` skips the LM head (a reward model or critic
+        reads only `scores`)."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         if cache is not None:
@@ -207,8 +215,9 @@ class GLMMoE(nnx.Module):
             x = embed.at[tokens].get(out_sharding=act).astype(dt)
             x, aux, cache = self._trunk(x, cos, sin, mask, expert_ids, cache, index)
             hidden = self.norm(x)
-            with jax.named_scope("lm_head"):
-                logits = jnp.einsum("bsd,dv->bsv", hidden, head)
+            if with_logits:
+                with jax.named_scope("lm_head"):
+                    logits = jnp.einsum("bsd,dv->bsv", hidden, head)
 
         mtp_logits = None
         if with_mtp and self.mtp is not None:
@@ -230,7 +239,12 @@ class GLMMoE(nnx.Module):
             aux = {"mtp": mtp_aux, **aux}
             if cache is not None:
                 cache = cache.replace(mtp=mtp_cache)
-        return ModelOutput(logits=logits, hidden=hidden, mtp_logits=mtp_logits, aux=aux, cache=cache)
+        scores = None
+        if self.score is not None:
+            with jax.named_scope("score"):
+                scores = jnp.einsum("bsd,dn->bsn", hidden.astype(jnp.float32),
+                                    weight(self.score).astype(jnp.float32))
+        return ModelOutput(logits=logits, hidden=hidden, mtp_logits=mtp_logits, aux=aux, cache=cache, scores=scores)
 
     def _trunk(self, x, cos, sin, mask, expert_ids, cache: GenerationCache | None, index
                ) -> tuple[Array, dict[str, Any], GenerationCache | None]:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from absl import logging
 from flax import nnx
@@ -29,6 +30,7 @@ from flax import nnx
 from glm46_jax.cli import InputError
 from glm46_jax.config import ModelConfig
 from glm46_jax.model import abstract_model, init_model, lora
+from glm46_jax.model.layers import normal_init
 from glm46_jax.model.lora import LoRAConfig
 from glm46_jax.parallel import sharding
 from glm46_jax.run_config import RunConfig
@@ -108,6 +110,9 @@ def load_weights(init_from: str, model_cfg: ModelConfig, mesh: jax.sharding.Mesh
         _, params, buffers = init_model(model_cfg, mesh, seed)
         return params, buffers
     init_cfg, _, params, buffers = checkpoint.load_params(init_from, mesh)
+    if init_cfg.score_head != model_cfg.score_head:  # a reward model from a policy, or a policy from a reward model
+        params = with_score_head(params, model_cfg, mesh, seed, init_from)
+        init_cfg = dataclasses.replace(init_cfg, score_head=model_cfg.score_head)
     checkpoint.check_same_model(init_cfg, model_cfg, f"checkpoint.init_from={init_from}")
     fresh = checkpoint.read_meta(checkpoint.latest_checkpoint(init_from)).get("fresh_init") or []
     if fresh:
@@ -115,6 +120,22 @@ def load_weights(init_from: str, model_cfg: ModelConfig, mesh: jax.sharding.Mesh
                         "initialisation", init_from, ", ".join(fresh))
     logging.info("initialised the weights from %s", init_from)
     return params, buffers
+
+
+def with_score_head(params: nnx.State, model_cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int,
+                    source: str) -> nnx.State:
+    """`params` of a checkpoint with `model_cfg`'s score head: a fresh one (HF's init: normal(0,
+    initializer_range), from `seed`) when the checkpoint has none, none when `model_cfg` has none."""
+    flat = {path: v for path, v in nnx.to_flat_state(params) if path[0] != "score"}
+    if model_cfg.score_head:
+        shape, dtype = (model_cfg.hidden_size, model_cfg.score_head), jnp.dtype(model_cfg.param_dtype)
+        with sharding.use_mesh(mesh):
+            value = jax.jit(lambda key: jax.sharding.reshard(normal_init(model_cfg)(key, shape, dtype),
+                                                             sharding.logical("embed", None)))(jax.random.key(seed))
+        flat[("score",)] = abstract_model(model_cfg, mesh)[1]["score"].replace(value)
+        logging.info("%s has no score head: a fresh one (%d output(s)) starts from a random init", source,
+                     model_cfg.score_head)
+    return nnx.from_flat_state(list(flat.items()))
 
 
 def build(cfg: RunConfig, devices: Sequence[jax.Device] | None, specs: Sequence[ModelSpec],

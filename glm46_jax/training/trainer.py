@@ -287,7 +287,8 @@ class Progress:
         values = {**_scalars(step_metrics, "train"), **values}
         self.first = self.first or values
         self.writer.write(step, values)
-        self.bar.set_postfix(loss=f"{values['train/loss']:.3f}", ce=f"{values['train/ce']:.3f}")
+        shown = {k: f"{values[f'train/{k}']:.3f}" for k in ("loss", "ce", "accuracy") if f"train/{k}" in values}
+        self.bar.set_postfix(**shown)
 
     def eval(self, step: int, values: dict[str, float]) -> None:
         self.last_eval, self.last_eval_step = values, step
@@ -394,7 +395,7 @@ def _summary(loop: _Loop, step: int) -> dict[str, Any]:
     tail = jax.device_get(list(p.history))
     return {
         "start_loss": p.first.get("train/ce", float("nan")),
-        "end_loss": float(np.mean([m["ce"] for m in tail])) if tail else float("nan"),
+        "end_loss": float(np.mean([m["ce"] for m in tail])) if tail and "ce" in tail[0] else float("nan"),
         "start_total_loss": p.first.get("train/loss", float("nan")),
         "end_total_loss": float(np.mean([m["loss"] for m in tail])) if tail else float("nan"),
         "end_window": len(tail), **p.last_eval, "compile_s": loop.programs.compile_s, "step_s": t.step_s,

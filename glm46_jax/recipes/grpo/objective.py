@@ -56,14 +56,14 @@ def aggregate(per_token: Float[Array, "b t"], mask: Float[Array, "b t"], aggrega
     return jnp.sum(per_seq * has) / jnp.maximum(has.sum(), 1.0)
 
 
-def policy_loss(logp: Float[Array, "b t"], old_logp: Float[Array, "b t"], adv: Float[Array, "b"],
+def policy_loss(logp: Float[Array, "b t"], old_logp: Float[Array, "b t"], adv: Float[Array, "b"] | Float[Array, "b t"],
                 mask: Float[Array, "b t"], *, clip_low: float, clip_high: float, aggregation: str = "token",
                 max_tokens: int = 1) -> tuple[Float[Array, ""], dict[str, Array]]:
     """The clipped surrogate loss (to minimise) and its statistics: clip_frac (the share of tokens whose
     clipped term is the active one, i.e. whose gradient is cut off) and ratio_mean, over masked tokens."""
     mask = mask.astype(jnp.float32)
     ratio = jnp.exp(logp - old_logp)
-    a = adv[:, None]
+    a = adv[:, None] if adv.ndim == 1 else adv  # per sequence (GRPO) or per token (PPO's GAE)
     clipped_ratio = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = -jnp.minimum(ratio * a, clipped_ratio * a)
     cut = ((ratio < 1.0 - clip_low) & (a < 0)) | ((ratio > 1.0 + clip_high) & (a > 0))

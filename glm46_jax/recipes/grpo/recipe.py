@@ -42,6 +42,8 @@ from glm46_jax.parallel import sharding
 from glm46_jax.recipes.base import RecipeBase, warn_random_start
 from glm46_jax.recipes.grpo import objective
 from glm46_jax.recipes.grpo.curriculum import CurriculumConfig, PromptPool
+from glm46_jax.interop.reward import check_reward_dir
+from glm46_jax.recipes.grpo.reward_model import ModelScorer, check_same_tokenizer
 from glm46_jax.recipes.grpo.rewards import Rewards
 from glm46_jax.recipes.grpo.rollout import Rollout, Sampling, sample_groups, strip_stop, training_rows
 from glm46_jax.recipes.grpo.step import StepSettings, completion_logprobs, make_grpo_step
@@ -126,6 +128,8 @@ class GRPO(RecipeBase):
     heldout_ids: list[list[int]]
     rewards: Rewards
     stop_tokens: tuple[int, ...]
+    heldout_rewards: Rewards | None = None  # held-out accuracy's; None = `rewards`
+    scorer: ModelScorer | None = None  # the reward model, when `rewards` names it
     pool: PromptPool | None = None
     pending: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
     stats: tuple[tuple[str, float], ...] = ()
@@ -158,15 +162,24 @@ class GRPO(RecipeBase):
                         pad_id=pad, prompt_len=self.rl.max_prompt_len,
                         record_routing=self.rl.routing_replay and temperature > 0)
 
+    @property
+    def dynamic_sampling(self) -> bool:
+        return self.rl.dynamic_sampling
+
     def segment(self) -> RolloutSegment:
-        return RolloutSegment(f"grpo_{self.rl.method}", self.seq_len, self.stats)
+        return RolloutSegment(f"{self.cfg.recipe}_{self.rl.method}", self.seq_len, self.stats)
 
     def current_segment(self) -> RolloutSegment:
         return self.segment()
 
+    def _policy_base(self) -> nnx.State | None:
+        """The policy's frozen weights (a LoRA run's base), None when it trains in full."""
+        frozen = (self.frozen or {}).get("policy")
+        return frozen.params if frozen is not None else None
+
     def whole_params(self, params: nnx.State) -> nnx.State:
         """The policy's whole parameters: the trained ones and, with LoRA, the frozen base."""
-        return with_frozen(params, self.frozen["policy"].params if self.frozen else None)
+        return with_frozen(params, self._policy_base())
 
     # --- trainer.Recipe ----------------------------------------------------------------------
 
@@ -194,6 +207,7 @@ class GRPO(RecipeBase):
             rl.curriculum_buckets, rl.curriculum_advance_at, rl.curriculum_ema), seed=self.cfg.train.seed)
         self.pending, self.stats = [], ()
         if data_state is not None:
+            self.restore_data_state(data_state)
             self.pool.restore(data_state["pool"])
             self.rollouts_done = int(data_state["rollouts"])
             self.tokens_seen = int(data_state["tokens_seen"])
@@ -210,12 +224,12 @@ class GRPO(RecipeBase):
                 self._rollout(state)
             local = self.pending.pop(0)
             batch = _device_batch(local, self.mesh)
-            if self.reference is not None:
+            if self.reference is not None and "ref_logprobs" not in batch:
                 batch["ref_logprobs"] = self._ref_logprobs(self.reference, state.buffers, batch)
             controls = {"max_loss": jnp.float32(max_loss)}
         self.tokens_seen += int(local["inputs"].size)
         data_state = {"pool": self.pool.state(), "rollouts": self.rollouts_done, "tokens_seen": self.tokens_seen,
-                      "pending": len(self.pending)}
+                      "pending": len(self.pending), **self.extra_data_state()}
         return StepInput(self.segment(), batch, controls, self.tokens_seen, data_state)
 
     @property
@@ -243,18 +257,32 @@ class GRPO(RecipeBase):
     def close(self) -> None:
         self.pending = []
 
+    def extra_data_state(self) -> dict[str, Any]:
+        """What a subclass adds to the data state a checkpoint holds (restored by `restore_data_state`)."""
+        return {}
+
+    def restore_data_state(self, data_state: Mapping[str, Any]) -> None:
+        pass
+
     # --- rollouts --------------------------------------------------------------------------
 
     def completions(self, rollout: Rollout) -> list[str]:
         return [self.tok.decode(strip_stop(rollout.completion(i), self.stop_tokens), skip_special_tokens=False)
                 for i in range(len(rollout.prompts))]
 
+    def score(self, rollout: Rollout, items: Sequence[Mapping[str, Any]], rewards: Rewards | None = None
+              ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(weighted total [n], each reward [n]) of a rollout: the text rewards and, if named, the reward model's."""
+        rewards = rewards or self.rewards
+        model_scores = self.scorer(rollout) if rewards.uses_model else None
+        return rewards.score(self.completions(rollout), items, model_scores)
+
     def _rollout(self, state: TrainState) -> None:
         rl, g = self.rl, self.rl.group_size
         params = self.whole_params(state.params)
         sampling = self.sampling(rl.temperature)
         groups, sampled, seconds, new_tokens = [], [], 0.0, 0
-        rounds = 1 + (rl.max_refill_rounds if rl.dynamic_sampling else 0)
+        rounds = 1 + (rl.max_refill_rounds if self.dynamic_sampling else 0)
         t0 = time.perf_counter()
         for round_index in range(rounds):
             ids = self.pool.draw(rl.prompts_per_step)
@@ -265,27 +293,35 @@ class GRPO(RecipeBase):
             seconds += rollout.seconds
             new_tokens += int(rollout.lengths.sum())
             items = [self.items[i] for i in ids for _ in range(g)]
-            total, parts = self.rewards.score(self.completions(rollout), items)
+            total, parts = self.score(rollout, items)
             passed = (total >= rl.pass_threshold).astype(np.float32)
             self.pool.record(ids, passed.reshape(-1, g).mean(axis=1), g)
             for j in range(len(ids)):
                 rows = np.arange(j * g, (j + 1) * g)
                 groups.append((rollout, rows, total[rows], bool(total[rows].max() > total[rows].min())))
             sampled.append((total, passed, rollout.lengths, parts))
-            if not rl.dynamic_sampling or sum(inf for *_, inf in groups) >= rl.prompts_per_step:
+            if not self.dynamic_sampling or sum(inf for *_, inf in groups) >= rl.prompts_per_step:
                 break
         # Informative groups first (in sampling order); short of them, all-agreeing ones keep the batch's shape.
         kept = sorted(groups, key=lambda x: not x[3])[:rl.prompts_per_step]
         rows = [training_rows(r, idx, self.seq_len, sampling.pad_id) for r, idx, _, _ in kept]
         batch = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
-        batch["advantages"] = np.asarray(objective.advantages(
-            jnp.asarray(np.concatenate([rw for _, _, rw, _ in kept])), g, rl.advantage, rl.adv_eps), np.float32)
+        batch, extra_stats = self.with_advantages(state, batch, np.concatenate([rw for _, _, rw, _ in kept]))
         order = np.random.default_rng([self.cfg.train.seed, self.rollouts_done]).permutation(len(batch["inputs"]))
         chunks = np.array_split(order, rl.minibatches)
         self.pending = [{k: v[c] for k, v in batch.items()} for _ in range(rl.epochs) for c in chunks]
         self.rollouts_done += 1
         self.stats = self._rollout_stats(sampled, kept, len(groups), seconds, new_tokens,
-                                         time.perf_counter() - t0, len(sampled))
+                                         time.perf_counter() - t0, len(sampled)) + tuple(extra_stats.items())
+
+    def with_advantages(self, state: TrainState, batch: dict[str, np.ndarray], rewards: np.ndarray
+                        ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """The rollout's training rows with what the step needs beyond them (GRPO: the group advantages), and
+        statistics of that for the log."""
+        rl = self.rl
+        batch["advantages"] = np.asarray(objective.advantages(jnp.asarray(rewards), rl.group_size, rl.advantage,
+                                                              rl.adv_eps), np.float32)
+        return batch, {}
 
     def _rollout_stats(self, sampled, kept, num_groups, sample_s, new_tokens, rollout_s, rounds):
         total = np.concatenate([t for t, *_ in sampled])
@@ -308,7 +344,7 @@ class GRPO(RecipeBase):
             self._ref_fn = jax.jit(lambda p, fz, b, batch: completion_logprobs(
                 with_frozen(p, fz), b, self.main.graphdef, batch, self.rl.temperature, self.rl.routing_replay)[0])
         with sharding.use_mesh(self.mesh):
-            return self._ref_fn(reference, self.frozen["policy"].params if self.frozen else None, buffers, batch)
+            return self._ref_fn(reference, self._policy_base(), buffers, batch)
 
     # --- held-out accuracy -------------------------------------------------------------------
 
@@ -318,7 +354,7 @@ class GRPO(RecipeBase):
             params = self.whole_params(state.params)
             rollout = sample_groups(self.main.graphdef, params, state.buffers, [self.heldout_ids[i] for i in ids], 1,
                                     self.sampling(0.0), seed=0)
-        total, _ = self.rewards.score(self.completions(rollout), [self.heldout_items[i] for i in ids])
+        total, _ = self.score(rollout, [self.heldout_items[i] for i in ids], self.heldout_rewards)
         return {"accuracy": float(np.mean(total >= self.rl.pass_threshold)), "reward": float(total.mean()),
                 "response_len": float(rollout.lengths.mean())}
 
@@ -332,10 +368,9 @@ class GRPO(RecipeBase):
         return {k: sum(size * r[k] for size, r in results) / n for k in results[0][1]}
 
 
-def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[GRPO, TrainState]:
-    """Mesh -> policy weights -> (adapters) -> optimizer -> train state, prompts and rewards; nothing sampled."""
+def check_rl(cfg: RunConfig) -> None:
+    """What every RL recipe needs of the run's settings."""
     rl = cfg.rl
-    rows = rl.prompts_per_step * rl.group_size // rl.minibatches
     if cfg.checkpoint.every % rl.updates_per_rollout:
         raise InputError(f"checkpoint.every={cfg.checkpoint.every} must be a multiple of the optimizer steps per "
                          f"rollout ({rl.updates_per_rollout} = rl.minibatches x rl.epochs), so that checkpoints fall "
@@ -343,21 +378,53 @@ def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
     if cfg.model.moe_capacity_factor > 0:
         raise InputError("model.moe_capacity_factor > 0: RL needs dropless routing (0), or the sampler's and the "
                          "trainer's batches drop different tokens")
+
+
+def rl_inputs(cfg: RunConfig) -> dict[str, Any]:
+    """The prompts, their tokens, the stop tokens and the rewards: the `GRPO` fields every RL recipe reads."""
+    rl = cfg.rl
+    if "reward_model" in rl.rewards + rl.heldout_rewards:  # before anything is built: a wrong path fails at once
+        check_reward_dir(rl.reward_model)
+        check_same_tokenizer(rl.reward_model, _tokenizer_path(cfg))
     tok = Tokenizer.from_file(_tokenizer_path(cfg))
     items, heldout = read_prompts(rl.prompts), read_prompts(rl.heldout)
-    prompt_ids = encode_prompts(tok, items, rl, rl.prompts)
-    heldout_ids = encode_prompts(tok, heldout, rl, rl.heldout)
-    stop = tuple(chat.stop_token_ids(tok)) if rl.chat else tuple(cfg.model.eos_token_id)
-    rewards = Rewards.from_names(rl.rewards, rl.reward_weights, code_timeout_s=rl.code_timeout_s,
-                                 code_memory_mb=rl.code_memory_mb)
+    limits = dict(code_timeout_s=rl.code_timeout_s, code_memory_mb=rl.code_memory_mb)
+    heldout_rewards = None
+    if rl.heldout_rewards:
+        heldout_rewards = Rewards.from_names(rl.heldout_rewards, (1.0,) * len(rl.heldout_rewards), **limits)
+    return dict(tok=tok, items=items, prompt_ids=encode_prompts(tok, items, rl, rl.prompts), heldout_items=heldout,
+                heldout_ids=encode_prompts(tok, heldout, rl, rl.heldout),
+                rewards=Rewards.from_names(rl.rewards, rl.reward_weights, **limits),
+                stop_tokens=tuple(chat.stop_token_ids(tok)) if rl.chat else tuple(cfg.model.eos_token_id),
+                heldout_rewards=heldout_rewards)
 
+
+def rollout_batch(cfg: RunConfig) -> models.BatchShape:
+    rl = cfg.rl
+    return models.BatchShape("rl.prompts_per_step x rl.group_size / rl.minibatches",
+                             rl.prompts_per_step * rl.group_size // rl.minibatches,
+                             "rl.max_prompt_len + rl.max_new_tokens", rl.max_prompt_len + rl.max_new_tokens)
+
+
+def model_scorer(cfg: RunConfig, mesh: jax.sharding.Mesh) -> ModelScorer | None:
+    """The reward model when rl.rewards (or rl.heldout_rewards) names it, on the run's mesh."""
+    rl = cfg.rl
+    if "reward_model" not in rl.rewards + rl.heldout_rewards:
+        return None
+    return ModelScorer.load(rl.reward_model, mesh, policy_tokenizer=_tokenizer_path(cfg),
+                            pad_id=cfg.model.pad_token_id or 0, row_len=rl.max_prompt_len + rl.max_new_tokens)
+
+
+def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[GRPO, TrainState]:
+    """Mesh -> policy weights -> (adapters) -> optimizer -> train state, prompts and rewards; nothing sampled."""
+    rl = cfg.rl
+    check_rl(cfg)
+    inputs = rl_inputs(cfg)
     # The KL reference is a copy of the starting weights, so they are read on a resume too.
     spec = models.ModelSpec("policy", cfg.model, init_from=cfg.checkpoint.init_from,
                             lora=cfg.lora if rl.method == "lora" else None, load_when_resuming=rl.kl_coef > 0)
     warn_random_start(spec, "reinforcement learning from")
-    built = models.build(cfg, devices, [spec], [models.BatchShape(
-        "rl.prompts_per_step x rl.group_size / rl.minibatches", rows, "rl.max_prompt_len + rl.max_new_tokens",
-        rl.max_prompt_len + rl.max_new_tokens)])
+    built = models.build(cfg, devices, [spec], [rollout_batch(cfg)])
     reference = jax.tree.map(jnp.copy, built.state.params) if rl.kl_coef > 0 else None
     logging.info("%d GRPO steps (%d per rollout) on %s", cfg.total_steps, rl.updates_per_rollout, rl.prompts)
-    return GRPO(cfg, built, reference, tok, items, prompt_ids, heldout, heldout_ids, rewards, stop), built.state
+    return GRPO(cfg, built, reference, scorer=model_scorer(cfg, built.mesh), **inputs), built.state

@@ -76,15 +76,24 @@ BUILTIN: dict[str, RewardFn] = {"exact_answer": exact_answer, "think_answer_form
                                 "code_tests": code_tests}
 
 
-def resolve(name: str, *, code_timeout_s: float = 5.0, code_memory_mb: int = 512) -> RewardFn:
-    """A built-in by name or "module:function"; an unknown name is an InputError naming the choices."""
+# Scored from token ids by a reward model on the mesh (rl.reward_model; glm46_jax.recipes.grpo.reward_model), not by
+# a function of the completion's text: `Rewards.score` takes its values as `model_scores`.
+MODEL_REWARD = "reward_model"
+
+
+def resolve(name: str, *, code_timeout_s: float = 5.0, code_memory_mb: int = 512) -> RewardFn | None:
+    """A built-in by name or "module:function" (None for MODEL_REWARD); an unknown name is an InputError naming
+    the choices."""
+    if name == MODEL_REWARD:
+        return None
     if name == "code_tests":
         return functools.partial(code_tests, timeout_s=code_timeout_s, memory_mb=code_memory_mb)
     if name in BUILTIN:
         return BUILTIN[name]
     module, _, attr = name.partition(":")
     if not attr:
-        raise InputError(f"rl.rewards: {name!r} is neither a built-in ({sorted(BUILTIN)}) nor 'module:function'")
+        raise InputError(f"rl.rewards: {name!r} is neither a built-in ({sorted(BUILTIN)} or {MODEL_REWARD!r}) nor "
+                         "'module:function'")
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
@@ -98,7 +107,7 @@ def resolve(name: str, *, code_timeout_s: float = 5.0, code_memory_mb: int = 512
 class Rewards:
     names: tuple[str, ...]
     weights: tuple[float, ...]
-    fns: tuple[RewardFn, ...]
+    fns: tuple[RewardFn | None, ...]  # None: MODEL_REWARD
 
     @classmethod
     def from_names(cls, names: Sequence[str], weights: Sequence[float], **limits: Any) -> Rewards:
@@ -107,10 +116,16 @@ class Rewards:
                              "and of the same length")
         return cls(tuple(names), tuple(float(w) for w in weights), tuple(resolve(n, **limits) for n in names))
 
-    def score(self, completions: Sequence[str], items: Sequence[Mapping[str, Any]]
-              ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """(weighted total [n], each reward [n] by name), float32."""
-        parts = {name: np.asarray([fn(c, it) for c, it in zip(completions, items)], np.float32)
-                 for name, fn in zip(self.names, self.fns)}
+    @property
+    def uses_model(self) -> bool:
+        return MODEL_REWARD in self.names
+
+    def score(self, completions: Sequence[str], items: Sequence[Mapping[str, Any]],
+              model_scores: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(weighted total [n], each reward [n] by name), float32; `model_scores` [n]: the reward model's."""
+        if self.uses_model and model_scores is None:
+            raise ValueError(f"{MODEL_REWARD} is among the rewards but no model scores were given")
+        parts = {name: np.asarray(model_scores if fn is None else [fn(c, it) for c, it in zip(completions, items)],
+                                  np.float32) for name, fn in zip(self.names, self.fns)}
         total = sum(w * parts[n] for n, w in zip(self.names, self.weights))
         return np.asarray(total, np.float32), parts

@@ -53,7 +53,7 @@ def completion_logprobs(params: nnx.State, buffers: nnx.State, graphdef: nnx.Gra
     return -nll, entropy, differs
 
 
-def _like(x: Array, ref: Array) -> Array:
+def like(x: Array, ref: Array) -> Array:
     # Batch arrays arrive in the loader's layout; Explicit sharding mode wants operands laid out alike.
     layout = jax.typeof(ref).sharding
     return x if layout.mesh.empty else jax.sharding.reshard(x, layout)
@@ -64,8 +64,8 @@ def grpo_loss(params: nnx.State, buffers: nnx.State, batch: dict[str, Array], gr
     """The loss the step differentiates and its metrics (scalars)."""
     logp, entropy, differs = completion_logprobs(params, buffers, graphdef, batch, settings.temperature,
                                                  settings.routing_replay)
-    mask, old = _like(batch["completion_mask"], logp), _like(batch["old_logprobs"], logp)
-    adv = _like(batch["advantages"], logp[:, 0])
+    mask, old = like(batch["completion_mask"], logp), like(batch["old_logprobs"], logp)
+    adv = like(batch["advantages"], logp[:, 0])
     pg, stats = objective.policy_loss(logp, old, adv, mask,
                                       clip_low=settings.clip_low, clip_high=settings.clip_high,
                                       aggregation=settings.aggregation, max_tokens=settings.max_tokens)
@@ -76,12 +76,12 @@ def grpo_loss(params: nnx.State, buffers: nnx.State, batch: dict[str, Array], gr
                "completion_tokens": mask.sum(), **stats}
     loss = pg
     if settings.kl_coef > 0:
-        kl = objective.aggregate(objective.kl_k3(logp, _like(batch["ref_logprobs"], logp)), mask, settings.aggregation,
+        kl = objective.aggregate(objective.kl_k3(logp, like(batch["ref_logprobs"], logp)), mask, settings.aggregation,
                                  settings.max_tokens)
         loss = loss + settings.kl_coef * kl
         metrics["kl"] = kl
     if differs is not None:
-        fed = _like(batch["replay_mask"], differs)
+        fed = like(batch["replay_mask"], differs)
         metrics["replay_mismatch"] = jnp.sum(differs * fed) / jnp.maximum(fed.sum(), 1.0)
     metrics["loss"] = loss
     return loss, metrics

@@ -29,28 +29,42 @@ def _smoothed(z: Float[Array, "n"], label_smoothing: float) -> Float[Array, "n"]
 
 def dpo_loss(chosen: Float[Array, "n"], rejected: Float[Array, "n"], ref_chosen: Float[Array, "n"],
              ref_rejected: Float[Array, "n"], *, beta: float, loss_type: str = "sigmoid",
-             label_smoothing: float = 0.0) -> tuple[Float[Array, "n"], dict[str, Array]]:
-    """Per-pair losses and statistics (implicit rewards of chosen and rejected, their margin, accuracy)."""
+             label_smoothing: float = 0.0, mask: Float[Array, "n"] | None = None
+             ) -> tuple[Float[Array, "n"], dict[str, Array]]:
+    """Per-pair losses and statistics (implicit rewards of chosen and rejected, their margin, accuracy; over the
+    pairs `mask` keeps, default all)."""
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"DPO loss type {loss_type!r}: one of {DPO_LOSS_TYPES}")
     h = (chosen - rejected) - (ref_chosen - ref_rejected)
     losses = _smoothed(beta * h, label_smoothing) if loss_type == "sigmoid" else (h - 1.0 / (2.0 * beta)) ** 2
-    return losses, _reward_stats(beta * (chosen - ref_chosen), beta * (rejected - ref_rejected))
+    return losses, _reward_stats(beta * (chosen - ref_chosen), beta * (rejected - ref_rejected), mask)
 
 
 def simpo_loss(avg_chosen: Float[Array, "n"], avg_rejected: Float[Array, "n"], *, beta: float, gamma: float,
-               label_smoothing: float = 0.0) -> tuple[Float[Array, "n"], dict[str, Array]]:
+               label_smoothing: float = 0.0, mask: Float[Array, "n"] | None = None
+               ) -> tuple[Float[Array, "n"], dict[str, Array]]:
     """SimPO (Meng et al. 2024) on length-averaged completion log-probs; no reference model."""
     losses = _smoothed(beta * (avg_chosen - avg_rejected) - gamma, label_smoothing)
-    return losses, _reward_stats(beta * avg_chosen, beta * avg_rejected)
+    return losses, _reward_stats(beta * avg_chosen, beta * avg_rejected, mask)
 
 
 def bradley_terry_loss(chosen: Float[Array, "n"], rejected: Float[Array, "n"],
-                       margin: Float[Array, "n"] | float = 0.0) -> tuple[Float[Array, "n"], dict[str, Array]]:
+                       margin: Float[Array, "n"] | float = 0.0, mask: Float[Array, "n"] | None = None
+                       ) -> tuple[Float[Array, "n"], dict[str, Array]]:
     """The reward model's pairwise loss on scalar scores, with an optional (per-pair) margin."""
-    return -jax.nn.log_sigmoid(chosen - rejected - margin), _reward_stats(chosen, rejected)
+    return -jax.nn.log_sigmoid(chosen - rejected - margin), _reward_stats(chosen, rejected, mask)
 
 
-def _reward_stats(chosen: Float[Array, "n"], rejected: Float[Array, "n"]) -> dict[str, Array]:
-    return {"chosen": chosen.mean(), "rejected": rejected.mean(), "margin": (chosen - rejected).mean(),
-            "accuracy": (chosen > rejected).astype(jnp.float32).mean()}
+def masked_mean(x: Float[Array, "n"], mask: Float[Array, "n"] | None) -> Float[Array, ""]:
+    """The mean over the pairs `mask` keeps (all without one; 0 when it keeps none)."""
+    if mask is None:
+        return x.mean()
+    mask = mask.astype(x.dtype)
+    return jnp.sum(x * mask) / jnp.maximum(mask.sum(), 1.0)
+
+
+def _reward_stats(chosen: Float[Array, "n"], rejected: Float[Array, "n"], mask: Float[Array, "n"] | None = None
+                  ) -> dict[str, Array]:
+    return {"chosen": masked_mean(chosen, mask), "rejected": masked_mean(rejected, mask),
+            "margin": masked_mean(chosen - rejected, mask),
+            "accuracy": masked_mean((chosen > rejected).astype(chosen.dtype), mask)}

@@ -1,0 +1,75 @@
+"""PPO configs: `get_config("<preset>")` for tiny | addition | glm46.
+
+    make rlhf                                                  # tiny: reward model (configs/reward.py:tiny), then PPO
+    python -m glm46_jax.train --config=configs/ppo.py:addition --config.train.seed=1   # a verifiable reward, no RM
+    python -m glm46_jax.train --config=configs/ppo.py:glm46 --config.checkpoint.init_from=runs/sft_glm46/merged \
+        --config.rl.reward_model=runs/reward_glm46 --config.rl.prompts=data/rl/train.jsonl
+
+The policy starts from `checkpoint.init_from`, the critic from `ppo.critic_init` (default: the reward run, else the
+policy's weights) with a fresh score head where they have none. Prompts, sampling, the clip range, the rewards
+(`rl.rewards`, e.g. ("reward_model",) with `rl.reward_model`) and the KL coefficient are the `rl` section's, as in
+GRPO (configs/grpo.py); the critic and the PPO objective are the `ppo` section's (docs/rl.md#ppo). Held-out
+`eval/accuracy` is greedy exact-match on `rl.heldout` (`rl.heldout_rewards`). Every other field is
+configs/pretrain.py's.
+"""
+
+import dataclasses
+import os
+
+import ml_collections
+
+from glm46_jax.cli import InputError
+from glm46_jax.model.lora import LoRAConfig
+from glm46_jax.recipes.ppo.config import PPOConfig
+from glm46_jax.run_config import RLConfig, fine_tuning_config
+
+_ADDITION = dict(prompts="data/rl_addition/prompts_train.jsonl", heldout="data/rl_addition/prompts_heldout.jsonl",
+                 group_size=4, prompts_per_step=16, minibatches=2, rollouts=60, max_prompt_len=16, max_new_tokens=6,
+                 eval_batch=250, clip_low=0.2, clip_high=0.2, dynamic_sampling=False)
+_PRESETS = {
+    # The RLHF demo's second stage (make rlhf): the addition SFT model trained against the reward model of
+    # configs/reward.py:tiny (its critic starts from that run too); held-out accuracy is still exact match.
+    "tiny": dict(
+        base="tiny", init_from="runs/sft_rl_addition",
+        rl=dict(_ADDITION, rewards=("reward_model",), reward_weights=(1.0,), reward_model="runs/reward_tiny",
+                heldout_rewards=("exact_answer",), kl_coef=0.02),
+        ppo=dict(gamma=1.0, lam=0.95, vf_coef=0.5, vf_clip=0.2, critic_lr=1e-3, normalize_rewards=True),
+        train=dict(log_every=10, eval_every=0, eval_batches=2),
+        checkpoint=dict(every=40, keep=1),
+        optim=dict(lr=1e-4, end_lr=1e-4, warmup_steps=0, algorithm="adamw", weight_decay=0.0, clip=1.0),
+    ),
+    # PPO with the verifiable reward (exact answer): the critic starts from the policy's weights.
+    "addition": dict(
+        base="tiny", init_from="runs/sft_rl_addition",
+        rl=dict(_ADDITION, rewards=("exact_answer",), reward_weights=(1.0,)),
+        ppo=dict(gamma=1.0, lam=0.95, vf_coef=0.5, vf_clip=0.2, critic_lr=1e-3),
+        train=dict(log_every=10, eval_every=0, eval_batches=2),
+        checkpoint=dict(every=40, keep=1),
+        optim=dict(lr=1e-4, end_lr=1e-4, warmup_steps=0, algorithm="adamw", weight_decay=0.0, clip=1.0),
+    ),
+    "glm46": dict(
+        base="glm46", init_from="",
+        rl=dict(prompts="data/rl/train.jsonl", heldout="data/rl/heldout.jsonl", method="lora", group_size=4,
+                prompts_per_step=128, minibatches=4, rollouts=500, max_prompt_len=1024, max_new_tokens=4096,
+                eval_batch=64, rewards=("reward_model",), reward_weights=(1.0,), reward_model="runs/reward_glm46",
+                heldout_rewards=("exact_answer",), kl_coef=0.01, clip_low=0.2, clip_high=0.2,
+                dynamic_sampling=False),
+        ppo=dict(critic_method="lora", critic_lr=5e-6, normalize_rewards=True, reward_clip=5.0),
+        train=dict(log_every=1, eval_every=40, eval_batches=4),
+        checkpoint=dict(every=40, keep=3),
+        optim=dict(lr=1e-6, end_lr=1e-6, warmup_steps=10, algorithm="adamw", weight_decay=0.0),
+    ),
+}
+
+
+def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
+    if preset not in _PRESETS:
+        raise InputError(f"unknown preset {preset!r}; choose one of {sorted(_PRESETS)}")
+    p = _PRESETS[preset]
+    c = fine_tuning_config(os.path.dirname(os.path.abspath(__file__)), "ppo", preset, p)
+    rl = dataclasses.asdict(RLConfig())
+    rl.update(p["rl"])
+    c.rl = rl  # tuples stay tuples: ml_collections overrides them from the command line, lists it cannot
+    c.ppo = dataclasses.asdict(PPOConfig(**p["ppo"]))
+    c.lora = dataclasses.asdict(LoRAConfig(rank=16, alpha=32.0))
+    return c

@@ -1,0 +1,167 @@
+"""PPO as a recipe of the generic trainer: GRPO's rollouts (sampler, routing replay, rewards, the prompt pool, the
+refresh after each update) with a critic in place of group baselines (docs/rl.md#ppo).
+
+    recipe, state = recipe.build(run_cfg)     # policy (checkpoint.init_from), critic (ppo.critic_init), reference
+    recipe.start(state, data_state)
+    state, summary = trainer.fit(recipe, state, ...)
+
+Each rollout: `rl.prompts_per_step` prompts x `rl.group_size` samples from the current policy, scored by rl.rewards
+(a reward model and/or verifiable functions); the critic's values and (with rl.kl_coef > 0) the reference's
+log-probs at every completion token; the score (optionally normalised by its running std and clipped) at each
+completion's last token, minus kl_coef times the k1 KL per token (ppo.kl_kind="k1"); GAE(gamma, lambda); advantages
+whitened over the rollout. Then `rl.minibatches` x `rl.epochs` joint updates of the policy (clipped loss, entropy
+bonus, k3 KL if ppo.kl_kind="k3") and the critic (clipped value loss), each with its own optimizer.
+
+The train state holds the policy (inline) and the critic (`others["critic"]`); the data state the prompt pool, the
+rollout count and the score statistics: a run resumed at a rollout boundary continues bit-identically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from glm46_jax.cli import InputError
+from glm46_jax.config import RUNTIME_FIELDS, model_config_from_dict
+from glm46_jax.parallel import sharding
+from glm46_jax.recipes import models
+from glm46_jax.recipes.base import warn_random_start
+from glm46_jax.recipes.grpo.recipe import GRPO, _device_batch, check_rl, model_scorer, rl_inputs, rollout_batch
+from glm46_jax.recipes.ppo import objective
+from glm46_jax.recipes.ppo.config import PPOConfig
+from glm46_jax.recipes.ppo.step import PPOSettings, make_ppo_step, values_fn
+from glm46_jax.run_config import RunConfig
+from glm46_jax.training import checkpoint
+from glm46_jax.training.step import TrainState, with_frozen
+
+
+@dataclasses.dataclass
+class PPO(GRPO):
+    """The PPO recipe (`trainer.Recipe`)."""
+    moments: objective.RunningMoments = dataclasses.field(default_factory=objective.RunningMoments)
+
+    @property
+    def ppo(self) -> PPOConfig:
+        return self.cfg.ppo
+
+    @property
+    def dynamic_sampling(self) -> bool:
+        return False  # every sample has its own advantage: nothing to drop
+
+    @property
+    def ppo_settings(self) -> PPOSettings:
+        rl, ppo = self.rl, self.ppo
+        return PPOSettings(clip_low=rl.clip_low, clip_high=rl.clip_high, temperature=rl.temperature,
+                           routing_replay=rl.routing_replay, entropy_coef=ppo.entropy_coef, vf_coef=ppo.vf_coef,
+                           vf_clip=ppo.vf_clip, kl_coef=rl.kl_coef, kl_in_loss=ppo.kl_kind == "k3")
+
+    def steps_for(self, segment: Any) -> Any:
+        return self._ppo_step
+
+    @functools.cached_property
+    def _ppo_step(self) -> Any:
+        models_ = self.built.models
+        return make_ppo_step(models_["policy"].graphdef, models_["critic"].graphdef,
+                             {"policy": models_["policy"].tx, "critic": models_["critic"].tx}, self.ppo_settings,
+                             lr_schedule=models_["policy"].lr_schedule)
+
+    @functools.cached_property
+    def _values(self) -> Any:
+        return values_fn(self.built.models["critic"].graphdef)
+
+    def extra_meta(self) -> dict[str, Any]:
+        return {**super().extra_meta(), "ppo": dataclasses.asdict(self.ppo)}
+
+    def extra_data_state(self) -> dict[str, Any]:
+        return {"reward_moments": self.moments.to_dict()}
+
+    def restore_data_state(self, data_state: Mapping[str, Any]) -> None:
+        self.moments = objective.RunningMoments.from_dict(data_state["reward_moments"])
+
+    def with_advantages(self, state: TrainState, batch: dict[str, np.ndarray], rewards: np.ndarray
+                        ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """Values, reference log-probs, per-token rewards, GAE advantages and returns of one rollout."""
+        rl, ppo = self.rl, self.ppo
+        critic = state.others["critic"]
+        with jax.transfer_guard("allow"), sharding.use_mesh(self.mesh):
+            device = _device_batch(batch, self.mesh)
+            frozen = self.frozen.get("critic") if self.frozen else None
+            values = self._values(with_frozen(critic.params, frozen.params if frozen else None), critic.buffers,
+                                  device["inputs"])
+            ref = self._ref_logprobs(self.reference, state.buffers, device) if self.reference is not None else None
+            values, ref = jax.device_get((values, ref))
+        mask, old = batch["completion_mask"], batch["old_logprobs"]
+        scores = rewards.astype(np.float64)
+        if ppo.normalize_rewards:
+            self.moments = self.moments.update(scores)
+            scores = np.asarray(objective.normalize_scores(scores, 0.0, self.moments.std,
+                                                           ppo.reward_clip or None))
+        elif ppo.reward_clip:
+            scores = np.clip(scores, -ppo.reward_clip, ppo.reward_clip)
+        kl = objective.kl_penalty(old, ref, "k1") if ref is not None else None
+        k1_coef = rl.kl_coef if ppo.kl_kind == "k1" and ref is not None else 0.0
+        token_rewards = objective.token_rewards(scores.astype(np.float32), mask, kl, k1_coef)
+        adv, returns = objective.gae(token_rewards, values, mask, ppo.gamma, ppo.lam)
+        if ppo.whiten_advantages:
+            adv = objective.whiten(adv, mask)
+        n = max(float(mask.sum()), 1.0)
+        batch.update(advantages=np.asarray(adv, np.float32), returns=np.asarray(returns, np.float32),
+                     old_values=np.asarray(values, np.float32) * mask)
+        stats = {"score_mean": float(scores.mean()), "value_rollout": float(np.sum(values * mask) / n),
+                 "return_mean": float(np.sum(np.asarray(returns) * mask) / n)}
+        if ref is not None:
+            batch["ref_logprobs"] = np.asarray(ref, np.float32)
+            stats["kl_rollout"] = float(np.sum(np.asarray(kl) * mask) / n)
+        return batch, stats
+
+
+def _is_run(path: str) -> bool:
+    try:
+        checkpoint.latest_checkpoint(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def critic_spec(cfg: RunConfig) -> models.ModelSpec:
+    """The critic: ppo.critic_init's architecture (else the reward run's, else the policy's) with a score head, the
+    run's runtime settings, its own lr if ppo.critic_lr is set."""
+    ppo, rl = cfg.ppo, cfg.rl
+    source = ppo.critic_init or (rl.reward_model if rl.reward_model and _is_run(rl.reward_model)
+                                 else cfg.checkpoint.init_from)
+    model_cfg = cfg.model
+    if source:
+        if not _is_run(source):
+            raise InputError(f"ppo.critic_init={source}: not a training run or checkpoint (an HF export can be "
+                             "imported with `python -m glm46_jax.convert hf-to-ckpt`)")
+        saved = model_config_from_dict(checkpoint.read_meta(checkpoint.latest_checkpoint(source))["model_config"])
+        model_cfg = dataclasses.replace(saved, **{f: getattr(cfg.model, f) for f in RUNTIME_FIELDS})
+    optim = None
+    if ppo.critic_lr:
+        scale = ppo.critic_lr / cfg.optim.lr
+        optim = dataclasses.replace(cfg.optim, lr=ppo.critic_lr, end_lr=cfg.optim.end_lr * scale)
+    return models.ModelSpec("critic", dataclasses.replace(model_cfg, score_head=1), init_from=source,
+                            lora=cfg.lora if ppo.critic_method == "lora" else None, optim=optim, seed_offset=1)
+
+
+def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[PPO, TrainState]:
+    """Mesh -> policy, critic (and KL reference) -> optimizers -> train state, prompts and rewards; nothing
+    sampled."""
+    rl = cfg.rl
+    check_rl(cfg)
+    inputs = rl_inputs(cfg)
+    policy = models.ModelSpec("policy", cfg.model, init_from=cfg.checkpoint.init_from,
+                              lora=cfg.lora if rl.method == "lora" else None, load_when_resuming=rl.kl_coef > 0)
+    warn_random_start(policy, "PPO from")
+    critic = critic_spec(cfg)
+    built = models.build(cfg, devices, [policy, critic], [rollout_batch(cfg)])
+    reference = jax.tree.map(lambda x: x.copy(), built.state.params) if rl.kl_coef > 0 else None
+    logging.info("%d PPO steps (%d per rollout) on %s; critic from %s", cfg.total_steps, rl.updates_per_rollout,
+                 rl.prompts, critic.init_from or "a random init")
+    return PPO(cfg, built, reference, scorer=model_scorer(cfg, built.mesh), **inputs), built.state

@@ -1,0 +1,95 @@
+"""The jitted PPO update of the policy and the critic together (docs/rl.md#ppo).
+
+    step = make_ppo_step(policy_graphdef, critic_graphdef, {"policy": tx, "critic": tx_c}, settings)
+    state, metrics = step(state, batch, controls, frozen)    # train_step.TrainState: policy inline, critic in others
+
+A batch is GRPO's rollout rows (rollout.training_rows) plus [b, s-1] "advantages" (GAE, per token), "returns" and
+"old_values" (the critic's values at the rollout), and "ref_logprobs" with a k3 KL. The loss is
+    clipped policy loss - entropy_coef * entropy (+ kl_coef * k3) + vf_coef * clipped value loss;
+the policy's parameters reach only the first terms and the critic's only the last, so one `make_step` with each
+model's own optimizer applies PPO's two updates. Neither model's correction biases move.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jaxtyping import Array, Float
+
+from glm46_jax.model import apply
+from glm46_jax.recipes.grpo import objective as grpo_objective
+from glm46_jax.recipes.grpo.step import completion_logprobs, like
+from glm46_jax.recipes.ppo import objective
+from glm46_jax.training.step import make_step
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOSettings:
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    temperature: float = 1.0
+    routing_replay: bool = True
+    entropy_coef: float = 0.0
+    vf_coef: float = 0.5
+    vf_clip: float = 0.2
+    kl_coef: float = 0.0  # > 0 with kl_in_loss: k3 in the loss
+    kl_in_loss: bool = False
+
+
+def critic_values(params: nnx.State, buffers: nnx.State, graphdef: nnx.GraphDef, inputs: Array
+                  ) -> Float[Array, "b t"]:
+    """V(inputs[:, :t + 1]) for t < s - 1 (the positions that predict a token), fp32."""
+    out = apply(graphdef, params, buffers, inputs, with_mtp=False, with_logits=False)
+    return out.scores[:, :-1, 0]
+
+
+def ppo_loss(params: dict[str, nnx.State], buffers: dict[str, nnx.State], batch: dict[str, Array],
+             policy: nnx.GraphDef, critic: nnx.GraphDef, settings: PPOSettings) -> tuple[Array, dict[str, Array]]:
+    logp, entropy, differs = completion_logprobs(params["policy"], buffers["policy"], policy, batch,
+                                                 settings.temperature, settings.routing_replay)
+    mask, old = like(batch["completion_mask"], logp), like(batch["old_logprobs"], logp)
+    adv = like(batch["advantages"], logp)
+    pg, stats = grpo_objective.policy_loss(logp, old, adv, mask, clip_low=settings.clip_low,
+                                           clip_high=settings.clip_high, aggregation="token")
+    n = jnp.maximum(mask.sum(), 1.0)
+    token_mean = lambda x: jnp.sum(x * mask) / n  # noqa: E731
+    ent = token_mean(entropy)
+    policy_loss = pg - settings.entropy_coef * ent
+    metrics = {"pg_loss": pg, "entropy": ent, "ce": -token_mean(logp), "logprob_diff": token_mean(jnp.abs(logp - old)),
+               "completion_tokens": mask.sum(), **stats}
+    if settings.kl_in_loss and settings.kl_coef > 0:
+        kl = token_mean(grpo_objective.kl_k3(logp, like(batch["ref_logprobs"], logp)))
+        policy_loss = policy_loss + settings.kl_coef * kl
+        metrics["kl"] = kl
+    values = critic_values(params["critic"], buffers["critic"], critic, batch["inputs"])
+    values = like(values, logp)
+    vloss, vstats = objective.value_loss(values, like(batch["old_values"], logp), like(batch["returns"], logp), mask,
+                                         settings.vf_clip)
+    metrics.update(vstats, value_loss=vloss, value_mean=token_mean(values))
+    if differs is not None:
+        fed = like(batch["replay_mask"], differs)
+        metrics["replay_mismatch"] = jnp.sum(differs * fed) / jnp.maximum(fed.sum(), 1.0)
+    loss = policy_loss + settings.vf_coef * vloss
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+def make_ppo_step(policy: nnx.GraphDef, critic: nnx.GraphDef, txs: dict[str, optax.GradientTransformation],
+                  settings: PPOSettings, *, lr_schedule: optax.Schedule | None = None) -> Callable:
+    """step(state, batch, controls[, frozen]) -> (state, metrics): `ppo_loss` in the one update step (the spike /
+    non-finite skip covers both models)."""
+
+    def loss(params, buffers, batch, ctx):
+        return ppo_loss(params, buffers, batch, policy, critic, settings)
+
+    return make_step(loss, txs, "policy", lr_schedule=lr_schedule)
+
+
+def values_fn(critic: nnx.GraphDef) -> Callable:
+    """jit(params, buffers, inputs) -> the critic's values [b, s-1] (at rollout time)."""
+    return jax.jit(lambda p, b, inputs: critic_values(p, b, critic, inputs))

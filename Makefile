@@ -9,9 +9,14 @@
 #                   from the merged model (extra training flags with ARGS=...)
 #   make rl         the RL demo on CPU (docs/rl.md#the-cpu-demo): the addition task, SFT of the tiny model on it,
 #                   then GRPO; prints the held-out exact-match accuracy before and after (extra GRPO flags with ARGS=...)
+#   make dpo        after make train and make sft: LoRA DPO of the chat model on the sample preference pairs; prints
+#                   the held-out pairs' metrics before and after (docs/preferences.md#the-recipes)
+#   make rlhf       after the RL demo's SFT (make rl builds it): a reward model on addition pairs, then PPO against it;
+#                   prints the reward model's pair accuracy and PPO's held-out exact-match before and after
 #   make test-jax-min  the model/step tests on jax 0.11.2 + flax 0.12.10 (pyproject's lowest, the lent GPU image's
 #                   jax) in a second venv .venv-jax011; JAX_MIN_TESTS="tests/x.py ..." picks the files
-#   make fixtures   regenerate tests/fixtures/hf_* with HF transformers in a separate Python 3.11 .venv-hf
+#   make fixtures   regenerate tests/fixtures/hf_*, the TRL and reward-model goldens with HF transformers and TRL in
+#                   a separate Python 3.11 .venv-hf
 #                   (optional: the fixtures are committed, so CI and `make test` never need this)
 #   make clean      remove .venv, .venv-hf, .venv-jax011, runs/, data/sample and the RL demo's data
 #
@@ -36,7 +41,7 @@ TEST_WORKERS ?= 2
 HF_PKGS     ?= torch==2.13.0 transformers==5.23.0 safetensors numpy trl==1.16.0
 HF_PIP_ARGS ?=
 
-.PHONY: venv test test-jax-min train sft rl data fixtures clean
+.PHONY: venv test test-jax-min train sft rl dpo rlhf data fixtures clean
 
 venv: $(VENV)/.installed
 
@@ -138,6 +143,39 @@ rl: runs/sft_rl_addition/status.json
 	  print(f"held-out exact-match accuracy on {n} problems (greedy): {a:.3f} +- {se(a):.3f} before GRPO -> " \
 	        f"{b:.3f} +- {se(b):.3f} after ({b - a:+.3f})")'
 
+# Preference demos. make dpo: LoRA DPO of make sft's chat model on the sample pairs (addition answers; replies that
+# end vs. ramble); make rlhf: a reward model on the addition pairs, then PPO against it (after the RL demo's SFT).
+SAMPLE_PREFS := data/sample_preferences
+
+$(SAMPLE_PREFS)/metadata.json: $(VENV)/.installed $(SAMPLE)/metadata.json
+	$(PY) -m data_prep sample-preferences --tokenizer $(SAMPLE)/tokenizer.json --out $(SAMPLE_PREFS)
+
+runs/sft_tiny/status.json:
+	@echo "make dpo starts from make sft's run (runs/sft_tiny): run make train and make sft first" >&2; exit 1
+
+dpo: $(SAMPLE_PREFS)/metadata.json runs/sft_tiny/status.json
+	$(PY) -m glm46_jax.train --config=configs/dpo.py:tiny $(ARGS)
+	@$(PY) -c 'import json; r = json.load(open("runs/dpo_tiny/heldout.json")); a, b = r["start"], r["end"]; \
+	  print(f"held-out pairs ({b[\"pairs\"]:.0f}): chosen reply more likely per token {a[\"len_norm_accuracy\"]:.3f} " \
+	        f"before DPO -> {b[\"len_norm_accuracy\"]:.3f} after; implicit-reward accuracy {b[\"accuracy\"]:.3f}, " \
+	        f"margin {b[\"margin\"]:.3f}")'
+
+$(RL_DATA)/preferences/metadata.json: $(RL_DATA)/sft/metadata.json
+	$(PY) -m data_prep sample-preferences --tokenizer $(RL_DATA)/tokenizer.json --kinds addition --pairs 2000 \
+	  --out $(RL_DATA)/preferences
+
+runs/reward_tiny/heldout.json: $(RL_DATA)/preferences/metadata.json runs/sft_rl_addition/status.json
+	$(PY) -m glm46_jax.train --config=configs/reward.py:tiny
+
+rlhf: runs/reward_tiny/heldout.json
+	$(PY) -m glm46_jax.train --config=configs/ppo.py:tiny $(ARGS)
+	@$(PY) -c 'import json; rm = json.load(open("runs/reward_tiny/heldout.json")); \
+	  r = json.load(open("runs/ppo_tiny/heldout.json")); a, b, n = r["start_accuracy"], r["end"]["accuracy"], \
+	  r["problems"]; se = lambda p: (p * (1 - p) / n) ** 0.5; \
+	  print(f"reward model: held-out pair accuracy {rm[\"start\"][\"accuracy\"]:.3f} -> {rm[\"end\"][\"accuracy\"]:.3f}"); \
+	  print(f"PPO: held-out exact-match accuracy on {n} problems (greedy): {a:.3f} +- {se(a):.3f} before -> " \
+	        f"{b:.3f} +- {se(b):.3f} after ({b - a:+.3f})")'
+
 fixtures: $(VENV_HF)/.installed
 	$(PY_HF) tests/fixtures/make_hf_fixtures.py --out tests/fixtures
 	$(PY_HF) tests/fixtures/make_trl_fixtures.py --out tests/fixtures
@@ -153,4 +191,4 @@ $(VENV_HF)/.installed:
 	@touch $@
 
 clean:
-	rm -rf $(VENV) $(VENV_HF) $(VENV_JAX_MIN) runs/ $(SAMPLE) $(SAMPLE_SFT) $(RL_DATA)
+	rm -rf $(VENV) $(VENV_HF) $(VENV_JAX_MIN) runs/ $(SAMPLE) $(SAMPLE_SFT) $(SAMPLE_PREFS) $(RL_DATA)

@@ -20,7 +20,7 @@ import ml_collections
 
 from glm46_jax.cli import InputError
 from glm46_jax.model.lora import LoRAConfig
-from glm46_jax.recipes.ppo.config import PPOConfig
+from glm46_jax.recipe_config import PPOConfig
 from glm46_jax.run_config import RLConfig, fine_tuning_config
 
 _ADDITION = dict(prompts="data/rl_addition/prompts_train.jsonl", heldout="data/rl_addition/prompts_heldout.jsonl",

@@ -95,7 +95,7 @@ def test_missing_head_dim_falls_back_like_hf(caplog):
 
 # One bad value per ModelConfig field (and the cross-field rules), on the tiny preset.
 BAD_MODEL_VALUES = [
-    ("vocab_size", 0), ("hidden_size", 0), ("intermediate_size", 0), ("moe_intermediate_size", 0),
+    ("vocab_size", 0), ("score_head", -1), ("hidden_size", 0), ("intermediate_size", 0), ("moe_intermediate_size", 0),
     ("num_hidden_layers", 0), ("num_attention_heads", 0), ("num_key_value_heads", 0), ("head_dim", 0),
     ("partial_rotary_factor", 1.5), ("partial_rotary_factor", 0.1),  # 0.1 * 16 = 1.6 dims: not an even count
     ("rope_theta", 0.0), ("rms_norm_eps", 0.0), ("first_k_dense_replace", -1), ("first_k_dense_replace", 4),

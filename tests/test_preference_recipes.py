@@ -67,13 +67,18 @@ def _pref_flags(data: str, run_dir: str, steps: int, every: int = 100) -> list[s
             "--config.checkpoint.keep=0", "--config.optim.warmup_steps=0", f"--config.optim.decay_steps={steps}"]
 
 
-def _train(recipe: str, flags: list[str]):
+def _train(recipe: str, flags: list[str], preset: str = "tiny"):
     """The run in this process (the same config the CLI builds from the flags)."""
     from conftest import apply_flags
 
     from glm46_jax import run_config, train
-    c = run_config.config_file(os.path.join(ROOT, "configs", f"{recipe}.py"), "tiny")
-    apply_flags(c, flags)
+    c = run_config.config_file(os.path.join(ROOT, "configs", f"{recipe}.py"), preset)
+    booleans = [f for f in flags if f.endswith(("=True", "=False"))]  # bool("False") is True: set these by hand
+    apply_flags(c, [f for f in flags if f not in booleans])
+    for flag in booleans:
+        path, value = flag.removeprefix("--config.").split("=")
+        section, name = path.split(".")
+        c[section][name] = value == "True"
     return train.train(run_config.from_config_dict(c), jax.devices()[:1])
 
 
@@ -97,23 +102,7 @@ def test_reward_model_separates_pairs(data, tmp_path):
     assert r["end"]["margin"] > r["start"]["margin"]
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
-def test_dpo_prefers_chosen_replies(data, tmp_path, loss_type):
-    run = str(tmp_path / f"dpo_{loss_type}")
-    beta = {"sigmoid": 0.1, "ipo": 0.5}[loss_type]
-    _train("dpo", _pref_flags(data, run, 30) + [f"--config.preference.loss_type={loss_type}",
-                                               f"--config.preference.beta={beta}", "--config.lora.rank=8",
-                                               "--config.optim.lr=3e-3", "--config.optim.end_lr=3e-4"])
-    r = _heldout(run)
-    start, end = r["start"], r["end"]
-    # The reference is the starting model: every implicit reward starts at 0 (accuracy 0: no pair strictly above).
-    assert start["accuracy"] == 0.0 and abs(start["margin"]) < 1e-6, start
-    # Measured: len_norm_accuracy 0.45 -> 1.0 (sigmoid) / 1.0 (ipo); implicit-reward accuracy 1.0.
-    assert end["len_norm_accuracy"] >= start["len_norm_accuracy"] + 0.3, r
-    assert end["accuracy"] >= 0.9 and end["margin"] > 0, r
-
-
-# --- kill -9 and resume ------------------------------------------------------------------------------------------
+# --- runs, and kill -9 then resume --------------------------------------------------------------------------------
 
 def _checkpoint(run_dir: str, step: int) -> tuple[dict[str, np.ndarray], dict]:
     """Every array of a checkpoint (model, optimizer, other models) and its data state, read without a target."""
@@ -128,7 +117,7 @@ def _checkpoint(run_dir: str, step: int) -> tuple[dict[str, np.ndarray], dict]:
         return arrays, json.load(f)
 
 
-def _process(recipe: str, flags: list[str], preset: str = "tiny") -> subprocess.Popen:
+def _process(recipe: str, preset: str, flags: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "glm46_jax.train", f"--config=configs/{recipe}.py:{preset}", *flags]
     return subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -152,14 +141,22 @@ def _finish(proc: subprocess.Popen) -> str:
     return out
 
 
-def _assert_resumed_exactly(recipe: str, flags_for, steps: int, every: int, tmp_path, preset: str = "tiny") -> None:
-    straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
-    first = _process(recipe, flags_for(straight), preset)
-    proc = _process(recipe, flags_for(killed), preset)
+def _straight(recipe: str, preset: str, flags_for, tmp_path) -> str:
+    """An uninterrupted CLI run (its programs land in the test run's compile cache, which the next runs read)."""
+    run = str(tmp_path / "straight")
+    _finish(_process(recipe, preset, flags_for(run)))
+    return run
+
+
+def _assert_resumes_exactly(recipe: str, preset: str, flags_for, straight: str, steps: int, every: int,
+                            tmp_path) -> None:
+    """A CLI run of `flags_for(dir)` SIGKILLed once its step-`every` checkpoint exists, then run again, ends with
+    the checkpoint of the uninterrupted CLI run `straight`: every array and the data state."""
+    killed = str(tmp_path / "killed")
+    proc = _process(recipe, preset, flags_for(killed))
     _kill_after(proc, killed, every)
-    _finish(first)
-    out = _finish(_process(recipe, flags_for(killed), preset))
-    assert f"steps {every + 1}-{steps}" in out or f"steps {2 * every + 1}-{steps}" in out, out[-2000:]
+    out = _finish(_process(recipe, preset, flags_for(killed)))
+    assert f"of {steps}" in out and "steps 1-" not in out, out[-2000:]  # it resumed, it did not start over
     want, want_data = _checkpoint(straight, steps)
     got, got_data = _checkpoint(killed, steps)
     assert sorted(got) == sorted(want)
@@ -167,13 +164,25 @@ def _assert_resumed_exactly(recipe: str, flags_for, steps: int, every: int, tmp_
         np.testing.assert_array_equal(got[name], x, err_msg=name)
     assert got_data == want_data
     # The run trained (resuming an unchanged model would compare equal trivially).
-    first_ckpt, _ = _checkpoint(straight, every)
-    assert any(not np.array_equal(first_ckpt[k], want[k]) for k in want if k.startswith("model"))
+    first, _ = _checkpoint(straight, every)
+    assert any(not np.array_equal(first[k], want[k]) for k in want if k.startswith("model"))
 
 
-def test_dpo_sigkill_then_resume_is_bit_identical(data, tmp_path):
-    _assert_resumed_exactly("dpo", lambda run: _pref_flags(data, run, 6, every=2) + ["--config.optim.lr=1e-3"], 6, 2,
-                            tmp_path)
+def test_dpo_prefers_chosen_replies_and_resumes_exactly(data, tmp_path):
+    """8 steps of DPO (sigmoid) from a random init: the held-out pairs' length-normalised preference rises; a copy
+    of the run killed after its step-4 checkpoint and resumed ends bit-identical."""
+    def flags(run):
+        return _pref_flags(data, run, 8, every=4) + ["--config.optim.lr=3e-3", "--config.optim.end_lr=3e-4"]
+    straight = _straight("dpo", "tiny", flags, tmp_path)
+    r = _heldout(straight)
+    start, end = r["start"], r["end"]
+    # The reference is the starting model: every implicit reward starts at 0 (accuracy 0: no pair strictly above).
+    assert start["accuracy"] == 0.0 and abs(start["margin"]) < 1e-6, start
+    # Measured: len_norm_accuracy 0.45 -> 1.0 on the 55 held-out pairs; implicit-reward accuracy 1.0.
+    assert end["pairs"] == _heldout_pairs(data)
+    assert end["len_norm_accuracy"] >= start["len_norm_accuracy"] + 0.3, r
+    assert end["accuracy"] >= 0.9 and end["margin"] > 0, r
+    _assert_resumes_exactly("dpo", "tiny", flags, straight, 8, 4, tmp_path)
 
 
 def _ppo_flags(data: str, run_dir: str, steps: int, every: int, extra: tuple[str, ...] = ()) -> list[str]:
@@ -181,15 +190,21 @@ def _ppo_flags(data: str, run_dir: str, steps: int, every: int, extra: tuple[str
             f"--config.rl.heldout={os.path.join(data, 'prompts_heldout.jsonl')}",
             f"--config.rl.tokenizer={os.path.join(data, 'tokenizer.json')}", "--config.rl.group_size=2",
             "--config.rl.prompts_per_step=4", "--config.rl.minibatches=2", "--config.rl.max_new_tokens=4",
-            "--config.rl.eval_batch=8", "--config.rl.kl_coef=0.05", "--config.ppo.critic_init=", "--config.ppo.normalize_rewards=True", f"--config.train.steps={steps}",
+            "--config.rl.eval_batch=8", "--config.rl.kl_coef=0.05", "--config.ppo.critic_init=",
+            "--config.ppo.normalize_rewards=True", f"--config.train.steps={steps}",
             "--config.train.log_every=1", "--config.train.eval_every=0", "--config.train.eval_batches=1",
             f"--config.checkpoint.every={every}", "--config.checkpoint.keep=0", "--config.optim.warmup_steps=0",
             f"--config.optim.decay_steps={steps}", *extra]
 
 
-def test_ppo_sigkill_then_resume_is_bit_identical(data, tmp_path):
-    # configs/ppo.py:addition: the exact-answer reward, the critic from the (random) policy, a k1 KL in the reward
-    _assert_resumed_exactly("ppo", lambda run: _ppo_flags(data, run, 6, 2), 6, 2, tmp_path, preset="addition")
+def test_ppo_resumes_exactly(data, tmp_path):
+    """configs/ppo.py:addition (the exact-answer reward, a critic from the random policy, the k1 KL in the reward,
+    running score normalisation): policy, critic, both optimizers, the prompt pool and its RNG, the score
+    statistics all continue bit-identically after a SIGKILL."""
+    def flags(run):
+        return _ppo_flags(data, run, 6, 2)
+    straight = _straight("ppo", "addition", flags, tmp_path)
+    _assert_resumes_exactly("ppo", "addition", flags, straight, 6, 2, tmp_path)
 
 
 # --- bad input ---------------------------------------------------------------------------------------------------

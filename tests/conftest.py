@@ -86,8 +86,8 @@ def _drop_executables():
 # The files that take longest (worker-seconds in a `make test` on a 2-core box, 2026-11-26), handed out first: xdist
 # (--dist loadfile --no-loadscope-reorder, Makefile) gives whole files to workers in collection order, so a long file
 # started last would end the run on one worker while the other idles. The rest keep pytest's order after these.
-LONGEST_FIRST = ("test_rl.py", "test_context_parallel.py", "test_preference_recipes.py", "test_resilience.py", "test_pipeline.py",
-                 "test_multiprocess.py", "test_slurm.py", "test_data_prep_executors.py", "test_sharding.py",
+LONGEST_FIRST = ("test_rl.py", "test_context_parallel.py", "test_preference_recipes.py", "test_resilience.py",
+                 "test_pipeline.py", "test_multiprocess.py", "test_slurm.py", "test_data_prep_executors.py", "test_sharding.py",
                  "test_generate.py", "test_lora.py", "test_sft.py")
 
 

@@ -56,7 +56,7 @@ def check_reward_dir(path: str) -> None:
     naming it otherwise."""
     if not os.path.isdir(path):
         raise InputError(f"{path}: no such reward-model directory (an export of a reward run: `python -m "
-                         "glm46_jax.convert ckpt-to-hf --run <reward run> --out DIR`, or the run itself)")
+                         "glm46_jax.convert ckpt-to-hf --run-dir <reward run> --out DIR`, or the run itself)")
     if is_reward_dir(path):
         return
     from glm46_jax.training import checkpoint

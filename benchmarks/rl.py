@@ -17,7 +17,9 @@ samples, rewards, training rows) and the `minibatches` optimizer steps on it. Pe
   rollout      sampling + reward scoring + building the rows (`_rollout` less `with_advantages`)
   forwards     `with_advantages` (GRPO: the group advantages on the host; PPO: the critic's forward for the old
                values, with rl.kl_coef > 0 the reference's log-probs, per-token rewards, GAE, whitening) plus
-               `next_input` (the minibatch's transfer; GRPO with rl.kl_coef > 0: the reference's forward there)
+               `next_input` (the minibatch's transfer; GRPO with rl.kl_coef > 0: the reference's forward there);
+               `model_forwards_s` is its part in the critic's and the reference's jitted forwards (synchronised),
+               the rest is host work (GAE, whitening, rewards: eager jax.numpy on [b, t] arrays) and transfers
   policy       GRPO: its update step. PPO: a policy-only step (ppo_loss with the value term and the critic
                removed, make_step over the policy alone), timed on the same minibatch
   critic       PPO: the joint step (make_ppo_step, what the trainer runs) minus the policy-only step. As a
@@ -132,7 +134,9 @@ def ppo_variants(recipe):
         c = state.others["critic"]
         alone = TrainState(step=state.step, params=c.params, buffers=c.buffers, opt_state=c.opt_state)
         new, metrics = c_step(alone, batch, controls, _only_frozen(frozen, {"critic"}))
-        return state.replace(others={"critic": ModelState(new.params, new.buffers, new.opt_state)}), metrics
+        # its step counter was donated: the new one stands for both (it counts attempted steps only)
+        return state.replace(step=new.step, others={"critic": ModelState(new.params, new.buffers, new.opt_state)}), \
+            metrics
 
     return run_policy, run_critic
 
@@ -140,7 +144,9 @@ def ppo_variants(recipe):
 def bench(args, data: str, name: str) -> dict:
     module = RECIPES[name][0]
     cfg = build_config(args, data, name)
+    t0 = time.perf_counter()
     recipe, state = module.build(cfg)
+    build_s = time.perf_counter() - t0
     recipe.start(None, None)
     main_step = recipe.steps_for(recipe.segment())
     variants = ppo_variants(recipe) if name == "ppo" else ()
@@ -154,6 +160,19 @@ def bench(args, data: str, name: str) -> dict:
         return out
 
     recipe.with_advantages = timed_with_advantages
+    model_s = [0.0]
+
+    def synced(fn):  # the critic's and the reference's forwards, charged on their own (inside `forwards`)
+        def run(*a):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(fn(*a))
+            model_s[0] += time.perf_counter() - t0
+            return out
+        return run
+
+    recipe._ref_logprobs = synced(recipe._ref_logprobs)
+    if name == "ppo":
+        recipe.__dict__["_values"] = synced(recipe._values)  # a cached_property: the instance's copy
 
     def timed(fn, *a):
         t0 = time.perf_counter()
@@ -168,7 +187,7 @@ def bench(args, data: str, name: str) -> dict:
         return inp
 
     def rl_step(state):
-        forward_s[0] = 0.0
+        forward_s[0] = model_s[0] = 0.0
         t0 = time.perf_counter()
         recipe._rollout(state)
         rollout_s = time.perf_counter() - t0
@@ -187,13 +206,14 @@ def bench(args, data: str, name: str) -> dict:
                 for key, fn in zip(("policy_s", "critic_only_s"), variants):
                     (state, _), seconds = timed(fn, state, inp.batch, inp.controls, recipe.frozen)
                     row[key] += seconds
+        row["model_forwards_s"] = model_s[0]
         if not variants:
             row["policy_s"] = row["train_s"]
         row["critic_s"] = row["train_s"] - row["policy_s"]  # PPO: joint - policy-only; GRPO: 0
         return state, row
 
     t0 = time.perf_counter()
-    state, _ = rl_step(state)  # warm-up: compiles the sampler, the forwards and every update program
+    state, warm = rl_step(state)  # warm-up: compiles the sampler, the forwards and every update program
     compile_s = time.perf_counter() - t0
     rows = []
     for _ in range(args.rollouts):
@@ -203,14 +223,16 @@ def bench(args, data: str, name: str) -> dict:
     total = med["rollout_s"] + med["forwards_s"] + med["train_s"]
     result = {
         "recipe": name, "config": f"configs/{RECIPES[name][1]}:{RECIPES[name][2]}", "kl_coef": cfg.rl.kl_coef,
-        **{k: med[k] for k in ("rollout_s", "sampling_s", "forwards_s", "train_s", "policy_s", "critic_s")},
+        **{k: med[k] for k in ("rollout_s", "sampling_s", "forwards_s", "model_forwards_s", "train_s", "policy_s",
+                               "critic_s")},
         "rollout_share": med["rollout_s"] / total, "forwards_share": med["forwards_s"] / total,
         "policy_share": med["policy_s"] / total, "critic_share": med["critic_s"] / total,
         "train_share": med["train_s"] / total, "step_s": total,
         "rollout_tokens_per_s": med["new_tokens"] / med["sampling_s"],
         "train_tokens_per_s": med["train_tokens"] / med["train_s"],
         "step_tokens_per_s": med["new_tokens"] / total,
-        "warmup_s": compile_s, "rl_steps_timed": args.rollouts,
+        "build_s": build_s, "warmup_s": compile_s,
+        "warmup_phases_s": {k: v for k, v in warm.items() if k.endswith("_s") and k != "critic_s"}, "rl_steps_timed": args.rollouts,
     }
     if variants:
         result["critic_only_s"] = med["critic_only_s"]

@@ -24,7 +24,7 @@ samples, rewards, training rows) and the `minibatches` optimizer steps on it. Pe
                removed, make_step over the policy alone), timed on the same minibatch
   critic       PPO: the joint step (make_ppo_step, what the trainer runs) minus the policy-only step. As a
                cross-check a critic-only step (the value loss alone, make_step over the critic) is timed too
-               (`critic_only_s`); joint - policy-only < policy-only + critic-only is the saving of one program
+               (`critic_only_s`): joint vs policy-only + critic-only is what the one program saves or costs
 
 Shares are of rollout + forwards + the update the trainer runs (GRPO's step, PPO's joint step): the policy-only
 and critic-only variants only split the joint step, their updates advance the state but are not counted. Each
@@ -52,17 +52,17 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from data_prep import rl_tasks  # noqa: E402
-from glm46_jax import run_config  # noqa: E402
-from glm46_jax.parallel import sharding  # noqa: E402
-from glm46_jax.recipes.grpo import objective as grpo_objective  # noqa: E402
-from glm46_jax.recipes.grpo import recipe as grpo_recipe  # noqa: E402
-from glm46_jax.recipes.grpo.step import completion_logprobs, like  # noqa: E402
-from glm46_jax.recipes.ppo import objective as ppo_objective  # noqa: E402
-from glm46_jax.recipes.ppo import recipe as ppo_recipe  # noqa: E402
-from glm46_jax.recipes.ppo.step import critic_values  # noqa: E402
-from glm46_jax.run_config import config_file  # noqa: E402
-from glm46_jax.training.step import ModelState, TrainState, make_step  # noqa: E402
+from data_prep import rl_tasks
+from glm46_jax import run_config
+from glm46_jax.parallel import sharding
+from glm46_jax.recipes.grpo import objective as grpo_objective
+from glm46_jax.recipes.grpo import recipe as grpo_recipe
+from glm46_jax.recipes.grpo.step import completion_logprobs, like
+from glm46_jax.recipes.ppo import objective as ppo_objective
+from glm46_jax.recipes.ppo import recipe as ppo_recipe
+from glm46_jax.recipes.ppo.step import critic_values
+from glm46_jax.run_config import config_file
+from glm46_jax.training.step import ModelState, TrainState, make_step
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs")
 RECIPES = {"grpo": (grpo_recipe, "grpo.py", "tiny"), "ppo": (ppo_recipe, "ppo.py", "addition")}
@@ -232,7 +232,8 @@ def bench(args, data: str, name: str) -> dict:
         "train_tokens_per_s": med["train_tokens"] / med["train_s"],
         "step_tokens_per_s": med["new_tokens"] / total,
         "build_s": build_s, "warmup_s": compile_s,
-        "warmup_phases_s": {k: v for k, v in warm.items() if k.endswith("_s") and k != "critic_s"}, "rl_steps_timed": args.rollouts,
+        "warmup_phases_s": {k: v for k, v in warm.items() if k.endswith("_s") and k != "critic_s"},
+        "rl_steps_timed": args.rollouts,
     }
     if variants:
         result["critic_only_s"] = med["critic_only_s"]

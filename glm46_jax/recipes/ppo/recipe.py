@@ -104,12 +104,10 @@ class PPO(GRPO):
                                                            ppo.reward_clip or None))
         elif ppo.reward_clip:
             scores = np.clip(scores, -ppo.reward_clip, ppo.reward_clip)
-        kl = objective.kl_penalty(old, ref, "k1") if ref is not None else None
+        kl = np.asarray(objective.kl_penalty(old, ref, "k1")) if ref is not None else np.zeros_like(old)
         k1_coef = rl.kl_coef if ppo.kl_kind == "k1" and ref is not None else 0.0
-        token_rewards = objective.token_rewards(scores.astype(np.float32), mask, kl, k1_coef)
-        adv, returns = objective.gae(token_rewards, values, mask, ppo.gamma, ppo.lam)
-        if ppo.whiten_advantages:
-            adv = objective.whiten(adv, mask)
+        adv, returns = jax.device_get(rollout_advantages(scores.astype(np.float32), mask, values, kl, k1_coef,
+                                                         ppo.gamma, ppo.lam, ppo.whiten_advantages))
         n = max(float(mask.sum()), 1.0)
         batch.update(advantages=np.asarray(adv, np.float32), returns=np.asarray(returns, np.float32),
                      old_values=np.asarray(values, np.float32) * mask)
@@ -119,6 +117,14 @@ class PPO(GRPO):
             batch["ref_logprobs"] = np.asarray(ref, np.float32)
             stats["kl_rollout"] = float(np.sum(np.asarray(kl) * mask) / n)
         return batch, stats
+
+
+@functools.partial(jax.jit, static_argnames=("whiten",))
+def rollout_advantages(scores, mask, values, kl, kl_coef, gamma, lam, whiten: bool):
+    """(advantages, returns) [b, t] of one rollout: token rewards (score at the last completion token, minus
+    kl_coef x kl per token), GAE, whitening. One compiled program (eagerly, the GAE scan re-traces on every call)."""
+    adv, returns = objective.gae(objective.token_rewards(scores, mask, kl, kl_coef), values, mask, gamma, lam)
+    return (objective.whiten(adv, mask) if whiten else adv), returns
 
 
 def _is_run(path: str) -> bool:

@@ -87,9 +87,9 @@ def reward_loss(params: nnx.State, buffers: nnx.State, batch: Batch, pairs: Arra
 
 @dataclasses.dataclass(frozen=True)
 class Reference:
-    """Where DPO's reference log-probs come from: "model" (a frozen model of that name in the step's params),
-    "base" (the policy's LoRA base with the adapters off, run through the plain graph `graphdef`), or "batch"
-    (precomputed, in the batch as ref_chosen / ref_rejected); None for SimPO."""
+    """Where DPO's reference log-probs come from: `source` = the name of a frozen model among the step's params
+    (its graph `graphdef`), or "base": the policy's LoRA base with the adapters off, run through the plain graph
+    `graphdef`. SimPO has none (a `Reference` of None)."""
     source: str
     graphdef: nnx.GraphDef | None = None
 
@@ -127,8 +127,6 @@ def dpo_loss(params: dict[str, nnx.State], buffers: dict[str, nnx.State], batch:
 def reference_logps(params: dict[str, nnx.State], buffers: dict[str, nnx.State], batch: Batch,
                     reference: Reference, name: str) -> tuple[Float[Array, "b k"], Float[Array, "b k"]]:
     """(chosen, rejected) summed reference log-probs [b, K], never differentiated."""
-    if reference.source == "batch":
-        return batch["ref_chosen"], batch["ref_rejected"]
     if reference.source == "base":
         _, base = lora.partition(params[name])
         logp = token_logps(base, buffers[name], reference.graphdef, batch)

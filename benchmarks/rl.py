@@ -87,6 +87,8 @@ def build_config(args, data: str, recipe: str):
                     curriculum_buckets=1, epochs=1)
         if args.kl_coef is not None:
             c.rl.kl_coef = args.kl_coef
+        if recipe == "ppo":
+            c.ppo.critic_warmup = 0  # every measured step trains both models
     return run_config.from_config_dict(c)
 
 

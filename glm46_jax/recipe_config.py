@@ -133,11 +133,15 @@ class PPOConfig:
     critic_init: str = ""
     critic_method: str = "full"  # full | lora (the score head trains in full)
     critic_lr: float = 0.0  # 0 = optim.lr
+    # the first critic_warmup rollouts train only the critic (verl's trainer.critic_warmup): a fresh value head's
+    # advantages are noise, and the policy's first updates would follow it
+    critic_warmup: int = 0
 
     def __post_init__(self):
         check_range("ppo", self, "gamma", ge=0, le=1)
         check_range("ppo", self, "lam", ge=0, le=1)
-        check_at_least("ppo", self, 0, "vf_coef", "vf_clip", "entropy_coef", "reward_clip", "critic_lr")
+        check_at_least("ppo", self, 0, "vf_coef", "vf_clip", "entropy_coef", "reward_clip", "critic_lr",
+                       "critic_warmup")
         check_choice("ppo", self, "kl_kind", ("k1", "k3"), "k1 in the reward, k3 in the loss")
         check_choice("ppo", self, "critic_method", ("full", "lora"))
 

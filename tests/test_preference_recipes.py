@@ -199,12 +199,21 @@ def _ppo_flags(data: str, run_dir: str, steps: int, every: int, extra: tuple[str
 
 def test_ppo_resumes_exactly(data, tmp_path):
     """configs/ppo.py:addition (the exact-answer reward, a critic from the random policy, the k1 KL in the reward,
-    running score normalisation): policy, critic, both optimizers, the prompt pool and its RNG, the score
-    statistics all continue bit-identically after a SIGKILL."""
+    running score normalisation, one rollout of critic warm-up): policy, critic, both optimizers, the prompt pool
+    and its RNG, the score statistics all continue bit-identically after a SIGKILL at the end of the warm-up. The
+    warm-up's two updates reached the critic only: the policy's Adam moments are still exactly zero."""
     def flags(run):
-        return _ppo_flags(data, run, 6, 2)
+        return _ppo_flags(data, run, 6, 2, ("--config.ppo.critic_warmup=1",))
     straight = _straight("ppo", "addition", flags, tmp_path)
+    warm, _ = _checkpoint(straight, 2)
+    policy_mu = [x for k, x in warm.items() if k.startswith("optimizer") and "['mu']" in k]
+    critic_mu = [x for k, x in warm.items() if k.startswith("others['critic']['opt_state']") and "['mu']" in k]
+    assert policy_mu and critic_mu
+    assert all(not x.any() for x in policy_mu)
+    assert sum(float(np.abs(x).sum()) for x in critic_mu) > 0
     _assert_resumes_exactly("ppo", "addition", flags, straight, 6, 2, tmp_path)
+    end, _ = _checkpoint(straight, 6)  # after the warm-up the policy trains
+    assert any(x.any() for k, x in end.items() if k.startswith("optimizer") and "['mu']" in k)
 
 
 # --- bad input ---------------------------------------------------------------------------------------------------

@@ -200,6 +200,10 @@ class GRPO(RecipeBase):
     def extra_meta(self) -> dict[str, Any]:
         return {"rl_method": self.rl.method, "rollouts": self.rollouts_done}
 
+    def extra_controls(self) -> dict[str, jax.Array]:
+        """Scalars a subclass's step reads besides max_loss (PPO: whether the policy trains yet)."""
+        return {}
+
     def start(self, state: TrainState, data_state: Any | None = None) -> None:
         rl = self.rl
         difficulty = [int(it.get("difficulty", 0)) for it in self.items]
@@ -226,7 +230,7 @@ class GRPO(RecipeBase):
             batch = _device_batch(local, self.mesh)
             if self.reference is not None and "ref_logprobs" not in batch:
                 batch["ref_logprobs"] = self._ref_logprobs(self.reference, state.buffers, batch)
-            controls = {"max_loss": jnp.float32(max_loss)}
+            controls = {"max_loss": jnp.float32(max_loss), **self.extra_controls()}
         self.tokens_seen += int(local["inputs"].size)
         data_state = {"pool": self.pool.state(), "rollouts": self.rollouts_done, "tokens_seen": self.tokens_seen,
                       "pending": len(self.pending), **self.extra_data_state()}

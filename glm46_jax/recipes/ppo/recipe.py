@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
@@ -77,6 +78,10 @@ class PPO(GRPO):
 
     def extra_meta(self) -> dict[str, Any]:
         return {**super().extra_meta(), "ppo": dataclasses.asdict(self.ppo)}
+
+    def extra_controls(self) -> dict[str, jax.Array]:
+        # the rollout now being trained on is number rollouts_done (1-based); the policy waits for the critic
+        return {"policy_weight": jnp.float32(self.rollouts_done > self.ppo.critic_warmup)}
 
     def extra_data_state(self) -> dict[str, Any]:
         return {"reward_moments": self.moments.to_dict()}

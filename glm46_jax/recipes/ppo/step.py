@@ -49,7 +49,10 @@ def critic_values(params: nnx.State, buffers: nnx.State, graphdef: nnx.GraphDef,
 
 
 def ppo_loss(params: dict[str, nnx.State], buffers: dict[str, nnx.State], batch: dict[str, Array],
-             policy: nnx.GraphDef, critic: nnx.GraphDef, settings: PPOSettings) -> tuple[Array, dict[str, Array]]:
+             policy: nnx.GraphDef, critic: nnx.GraphDef, settings: PPOSettings, policy_weight: Array | float = 1.0
+             ) -> tuple[Array, dict[str, Array]]:
+    """The PPO loss; policy_weight 0 (the critic's warm-up) leaves the policy's gradient zero and so, under Adam
+    with zeroed moments, its weights in place."""
     logp, entropy, differs = completion_logprobs(params["policy"], buffers["policy"], policy, batch,
                                                  settings.temperature, settings.routing_replay)
     mask, old = like(batch["completion_mask"], logp), like(batch["old_logprobs"], logp)
@@ -74,7 +77,7 @@ def ppo_loss(params: dict[str, nnx.State], buffers: dict[str, nnx.State], batch:
     if differs is not None:
         fed = like(batch["replay_mask"], differs)
         metrics["replay_mismatch"] = jnp.sum(differs * fed) / jnp.maximum(fed.sum(), 1.0)
-    loss = policy_loss + settings.vf_coef * vloss
+    loss = policy_weight * policy_loss + settings.vf_coef * vloss
     metrics["loss"] = loss
     return loss, metrics
 
@@ -85,7 +88,7 @@ def make_ppo_step(policy: nnx.GraphDef, critic: nnx.GraphDef, txs: dict[str, opt
     non-finite skip covers both models)."""
 
     def loss(params, buffers, batch, ctx):
-        return ppo_loss(params, buffers, batch, policy, critic, settings)
+        return ppo_loss(params, buffers, batch, policy, critic, settings, ctx.get("policy_weight", 1.0))
 
     return make_step(loss, txs, "policy", lr_schedule=lr_schedule)
 

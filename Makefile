@@ -101,11 +101,14 @@ test-jax-min: $(VENV_JAX_MIN)/.installed
 
 # The sample corpus (stdlib code + prose, 512-token BPE) that the tiny preset trains on; built
 # once, offline. A half-written one resumes: data_prep skips shards already complete.
+# Data sets and demo runs are built once: their prerequisites are order-only (after `|`), so a reinstalled venv or
+# a newer upstream file does not rebuild them (a finished run refuses to train again, exit 2). Delete a directory
+# to rebuild it.
 SAMPLE := data/sample
 
 data: $(SAMPLE)/metadata.json
 
-$(SAMPLE)/metadata.json: $(VENV)/.installed
+$(SAMPLE)/metadata.json: | $(VENV)/.installed
 	$(PY) -m data_prep sample --out $(SAMPLE)
 
 train: $(VENV)/.installed $(SAMPLE)/metadata.json
@@ -114,7 +117,7 @@ train: $(VENV)/.installed $(SAMPLE)/metadata.json
 # The sample chats, tokenized with the sample corpus's tokenizer (which has GLM's chat tokens).
 SAMPLE_SFT := data/sample_sft
 
-$(SAMPLE_SFT)/metadata.json: $(VENV)/.installed $(SAMPLE)/metadata.json
+$(SAMPLE_SFT)/metadata.json: | $(VENV)/.installed $(SAMPLE)/metadata.json
 	$(PY) -m data_prep sample-sft --tokenizer $(SAMPLE)/tokenizer.json --out $(SAMPLE_SFT)
 
 runs/tiny/status.json:
@@ -128,12 +131,12 @@ sft: $(VENV)/.installed $(SAMPLE_SFT)/metadata.json runs/tiny/status.json
 # The RL demo: data (offline, seconds), SFT warm-up from random weights, then GRPO on the same task.
 RL_DATA := data/rl_addition
 
-$(RL_DATA)/sft/metadata.json: $(VENV)/.installed
+$(RL_DATA)/sft/metadata.json: | $(VENV)/.installed
 	$(PY) -m data_prep.rl_tasks --out $(RL_DATA)
 	$(PY) -m data_prep sft --input $(RL_DATA)/sft_chats.jsonl --tokenizer $(RL_DATA)/tokenizer.json \
 	  --out $(RL_DATA)/sft --heldout-fraction 0.05 --max-len 64
 
-runs/sft_rl_addition/status.json: $(RL_DATA)/sft/metadata.json
+runs/sft_rl_addition/status.json: | $(RL_DATA)/sft/metadata.json
 	$(PY) -m glm46_jax.train --config=configs/sft.py:rl_addition
 
 rl: runs/sft_rl_addition/status.json
@@ -145,9 +148,10 @@ rl: runs/sft_rl_addition/status.json
 
 # Preference demos. make dpo: LoRA DPO of make sft's chat model on the sample pairs (addition answers; replies that
 # end vs. ramble); make rlhf: a reward model on the addition pairs, then PPO against it (after the RL demo's SFT).
+# What they print, measured: docs/preferences.md#the-cpu-demos (the RLHF one shows reward hacking).
 SAMPLE_PREFS := data/sample_preferences
 
-$(SAMPLE_PREFS)/metadata.json: $(VENV)/.installed $(SAMPLE)/metadata.json
+$(SAMPLE_PREFS)/metadata.json: | $(VENV)/.installed $(SAMPLE)/metadata.json
 	$(PY) -m data_prep sample-preferences --tokenizer $(SAMPLE)/tokenizer.json --out $(SAMPLE_PREFS)
 
 runs/sft_tiny/status.json:
@@ -156,23 +160,23 @@ runs/sft_tiny/status.json:
 dpo: $(SAMPLE_PREFS)/metadata.json runs/sft_tiny/status.json
 	$(PY) -m glm46_jax.train --config=configs/dpo.py:tiny $(ARGS)
 	@$(PY) -c 'import json; r = json.load(open("runs/dpo_tiny/heldout.json")); a, b = r["start"], r["end"]; \
-	  print(f"held-out pairs ({b[\"pairs\"]:.0f}): chosen reply more likely per token {a[\"len_norm_accuracy\"]:.3f} " \
-	        f"before DPO -> {b[\"len_norm_accuracy\"]:.3f} after; implicit-reward accuracy {b[\"accuracy\"]:.3f}, " \
-	        f"margin {b[\"margin\"]:.3f}")'
+	  n, a_len, b_len, acc, margin = b["pairs"], a["len_norm_accuracy"], b["len_norm_accuracy"], b["accuracy"], \
+	  b["margin"]; print(f"held-out pairs ({n:.0f}): chosen reply more likely per token {a_len:.3f} before DPO -> " \
+	                     f"{b_len:.3f} after; implicit-reward accuracy {acc:.3f}, margin {margin:.3f}")'
 
-$(RL_DATA)/preferences/metadata.json: $(RL_DATA)/sft/metadata.json
-	$(PY) -m data_prep sample-preferences --tokenizer $(RL_DATA)/tokenizer.json --kinds addition --pairs 2000 \
+$(RL_DATA)/preferences/metadata.json: | $(RL_DATA)/sft/metadata.json
+	$(PY) -m data_prep sample-preferences --tokenizer $(RL_DATA)/tokenizer.json --kinds addition --pairs 8000 \
 	  --out $(RL_DATA)/preferences
 
-runs/reward_tiny/heldout.json: $(RL_DATA)/preferences/metadata.json runs/sft_rl_addition/status.json
+runs/reward_tiny/heldout.json: | $(RL_DATA)/preferences/metadata.json runs/sft_rl_addition/status.json
 	$(PY) -m glm46_jax.train --config=configs/reward.py:tiny
 
 rlhf: runs/reward_tiny/heldout.json
 	$(PY) -m glm46_jax.train --config=configs/ppo.py:tiny $(ARGS)
 	@$(PY) -c 'import json; rm = json.load(open("runs/reward_tiny/heldout.json")); \
 	  r = json.load(open("runs/ppo_tiny/heldout.json")); a, b, n = r["start_accuracy"], r["end"]["accuracy"], \
-	  r["problems"]; se = lambda p: (p * (1 - p) / n) ** 0.5; \
-	  print(f"reward model: held-out pair accuracy {rm[\"start\"][\"accuracy\"]:.3f} -> {rm[\"end\"][\"accuracy\"]:.3f}"); \
+	  r["problems"]; se = lambda p: (p * (1 - p) / n) ** 0.5; rm0, rm1 = rm["start"]["accuracy"], rm["end"]["accuracy"]; \
+	  print(f"reward model: held-out pair accuracy {rm0:.3f} -> {rm1:.3f}"); \
 	  print(f"PPO: held-out exact-match accuracy on {n} problems (greedy): {a:.3f} +- {se(a):.3f} before -> " \
 	        f"{b:.3f} +- {se(b):.3f} after ({b - a:+.3f})")'
 

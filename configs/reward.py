@@ -23,12 +23,14 @@ from glm46_jax.run_config import fine_tuning_config
 
 _PRESETS = {
     # The RLHF demo's first stage (make rlhf): the addition SFT model (configs/sft.py:rl_addition) learns to tell
-    # a correct sum from a wrong one on `data_prep sample-preferences --kinds addition`.
+    # a correct sum from a wrong one on `data_prep sample-preferences --kinds addition --pairs 8000` (7,206 train
+    # pairs; 600 steps of 48 pairs are 4 passes): held-out pair accuracy 0.45 -> 0.73; 2,000 pairs and 150 steps
+    # gave 0.56.
     "tiny": dict(
         base="tiny", init_from="runs/sft_rl_addition", root="data/rl_addition/preferences",
         preference=dict(method="full", seq_len=128, global_batch=16, pairs_per_row=3),
-        train=dict(steps=150, log_every=10, eval_every=50, eval_batches=4),
-        checkpoint=dict(every=50, keep=1),
+        train=dict(steps=600, log_every=10, eval_every=200, eval_batches=4),
+        checkpoint=dict(every=200, keep=1),
         optim=dict(lr=1e-3, end_lr=1e-4, warmup_steps=10, algorithm="adamw", weight_decay=0.0, clip=1.0),
         lora=None,
     ),

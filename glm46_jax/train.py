@@ -110,9 +110,14 @@ def _summary_lines(s: dict[str, Any]) -> str:
     if "eval/accuracy" in s:  # an RL run's held-out metric
         held_out = f"n/a; held-out accuracy {s['eval/accuracy']:.3f}"
     mfu = f"{s['mfu']:.1%} MFU vs {s['mfu_peak_source']}" if s["mfu"] else "MFU n/a"
-    return (f"start loss {s['start_loss']:.3f} -> end loss {s['end_loss']:.3f} (next-token CE, nats/token; mean of "
-            f"the last {s['end_window']} steps; total loss with MTP and aux: {s['start_total_loss']:.3f} -> "
-            f"{s['end_total_loss']:.3f}; held-out CE {held_out})\n"
+    if np.isnan(s["start_loss"]) and np.isnan(s["end_loss"]):  # no next-token CE: a reward model's pairs
+        loss = (f"start loss {s['start_total_loss']:.3f} -> end loss {s['end_total_loss']:.3f} (the recipe's loss; "
+                f"mean of the last {s['end_window']} steps; held-out CE {held_out})\n")
+    else:
+        loss = (f"start loss {s['start_loss']:.3f} -> end loss {s['end_loss']:.3f} (next-token CE, nats/token; mean "
+                f"of the last {s['end_window']} steps; total loss with MTP and aux: {s['start_total_loss']:.3f} -> "
+                f"{s['end_total_loss']:.3f}; held-out CE {held_out})\n")
+    return (loss +
             f"steps {s['start_step']}-{s['steps']} of {s['total_steps']} through phases {' -> '.join(s['phases'])} "
             f"({s['tokens_seen']:,} tokens seen); compile {s['compile_s']:.1f} s, {s['step_s'] * 1e3:.0f} ms/step, "
             f"{mfu}; wall {s['wall_s']:.1f} s; checkpoint {s['checkpoint']} ({len(s['save_block_s'])} saves, the loop "

@@ -92,9 +92,12 @@ def _heldout_pairs(data: str) -> int:
         return json.load(f)["splits"]["heldout"]["pairs"]
 
 
-def test_reward_model_separates_pairs(data, tmp_path):
+def test_reward_model_separates_pairs(data, tmp_path, capsys):
     run = str(tmp_path / "reward")
     _train("reward", _pref_flags(data, run, 20) + ["--config.optim.lr=3e-3", "--config.optim.end_lr=3e-4"])
+    # the summary reports the Bradley-Terry loss (a reward model has no next-token CE to print)
+    summary = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("start loss"))
+    assert "(the recipe's loss;" in summary and "nan" not in summary, summary
     r = _heldout(run)
     # Measured: 0.5 -> 1.0 on the 55 held-out pairs (a random head orders about half of them).
     assert r["end"]["pairs"] == _heldout_pairs(data)

@@ -327,11 +327,9 @@ def addition_sft(tmp_path_factory):
     return root, data
 
 
-@pytest.mark.slow
-def test_grpo_raises_heldout_accuracy_across_seeds(addition_sft):
-    """configs/grpo.py:tiny after the SFT warm-up, 3 RL seeds: greedy exact-match accuracy on the 500 held-out
-    problems (never RL prompts) rises by more than 2 binomial standard errors of the starting accuracy on average
-    over the seeds, and no seed loses more than one (docs/rl.md#the-cpu-demo)."""
+def _heldout_gains(addition_sft, config: str, preset: str) -> list[tuple[float, float]]:
+    """(start, end) greedy exact-match accuracy on the 500 held-out problems (never RL prompts) of the preset's RL
+    stage from the shared SFT warm-up, for RL seeds 0, 1, 2."""
     import json
 
     from glm46_jax import run_config, train
@@ -340,44 +338,9 @@ def test_grpo_raises_heldout_accuracy_across_seeds(addition_sft):
     root, data = addition_sft
     gains = []
     for seed in range(3):
-        c = config_file(os.path.join(os.path.dirname(__file__), "..", "configs", "grpo.py"), "tiny")
+        c = config_file(os.path.join(os.path.dirname(__file__), "..", "configs", config), preset)
         with c.unlocked():
-            c.run_dir = str(root / f"grpo_{seed}")
-            c.checkpoint.update(init_from=str(root / "sft"), async_save=False)
-            c.train.update(seed=seed, eval_every=0, tensorboard=False)
-            c.rl.update(prompts=os.path.join(data, "prompts_train.jsonl"),
-                        heldout=os.path.join(data, "prompts_heldout.jsonl"), rollouts=RL_DEMO_ROLLOUTS)
-        train.train(run_config.from_config_dict(c), jax.devices()[:1])
-        with open(os.path.join(c.run_dir, "heldout.json")) as f:
-            r = json.load(f)
-        assert r["problems"] == 500
-        before, after = r["start_accuracy"], r["end"]["accuracy"]
-        gains.append((before, after))
-    # Measured on an 1-device CLI run: 0.29 -> 0.364 / 0.406 / 0.390 (seeds 0-2); the standard error of 0.29 is 0.020.
-    se = [np.sqrt(b * (1 - b) / 500) for b, _ in gains]
-    # On main after the merge (dropless blocks, the CE backward, additive mask: other rounding): 0.234 -> 0.290 /
-    # 0.258 / 0.300, a mean gain of 2.6 standard errors (0.019); every seed gains.
-    assert np.mean([a - b for b, a in gains]) > 2 * np.mean(se), (gains, se)
-    assert all(a - b > -s for (b, a), s in zip(gains, se)), (gains, se)  # and no seed collapses
-
-
-@pytest.mark.slow
-def test_ppo_raises_heldout_accuracy_across_seeds(addition_sft):
-    """configs/ppo.py:addition (a critic from the SFT model's weights, the exact-answer reward, no group baseline)
-    after the same SFT warm-up, 3 RL seeds: greedy exact-match accuracy on the 500 held-out problems rises by more
-    than 2 binomial standard errors of the starting accuracy on average, and no seed loses more than one
-    (docs/rl.md#ppo)."""
-    import json
-
-    from glm46_jax import run_config, train
-    from glm46_jax.run_config import config_file
-
-    root, data = addition_sft
-    gains = []
-    for seed in range(3):
-        c = config_file(os.path.join(os.path.dirname(__file__), "..", "configs", "ppo.py"), "addition")
-        with c.unlocked():
-            c.run_dir = str(root / f"ppo_{seed}")
+            c.run_dir = str(root / f"{config.removesuffix('.py')}_{seed}")
             c.checkpoint.update(init_from=str(root / "sft"), async_save=False)
             c.train.update(seed=seed, eval_every=0, tensorboard=False)
             c.rl.update(prompts=os.path.join(data, "prompts_train.jsonl"),
@@ -388,10 +351,33 @@ def test_ppo_raises_heldout_accuracy_across_seeds(addition_sft):
             r = json.load(f)
         assert r["problems"] == 500
         gains.append((r["start_accuracy"], r["end"]["accuracy"]))
-    # Measured with the CLI from runs/sft_rl_addition (start 0.238, standard error 0.019): 0.238 -> 0.338 / 0.318 /
-    # 0.326, a mean gain of 4.7 standard errors; 8 samples of 8 prompts instead gained +0.025
-    # (docs/rl.md#ppo-on-the-addition-task). This test (its own SFT model, start 0.258): 0.338 / 0.332 / 0.312, 3.6
-    # standard errors, 7 min on an idle 2-core box with the SFT warm-up.
+    return gains
+
+
+def _assert_gains(gains: list[tuple[float, float]]) -> None:
+    """The mean gain exceeds 2 binomial standard errors of the starting accuracy, and no seed loses more than one."""
     se = [np.sqrt(b * (1 - b) / 500) for b, _ in gains]
     assert np.mean([a - b for b, a in gains]) > 2 * np.mean(se), (gains, se)
     assert all(a - b > -s for (b, a), s in zip(gains, se)), (gains, se)  # and no seed collapses
+
+
+@pytest.mark.slow
+def test_grpo_raises_heldout_accuracy_across_seeds(addition_sft):
+    """configs/grpo.py:tiny after the SFT warm-up, 3 RL seeds: greedy exact-match accuracy on the 500 held-out
+    problems rises by more than 2 binomial standard errors of the starting accuracy on average over the seeds, and
+    no seed loses more than one (docs/rl.md#the-cpu-demo)."""
+    # Measured on an 1-device CLI run: 0.29 -> 0.364 / 0.406 / 0.390 (seeds 0-2); the standard error of 0.29 is 0.020.
+    # On main after the merge (dropless blocks, the CE backward, additive mask: other rounding): 0.234 -> 0.290 /
+    # 0.258 / 0.300, a mean gain of 2.6 standard errors (0.019); every seed gains.
+    _assert_gains(_heldout_gains(addition_sft, "grpo.py", "tiny"))
+
+
+@pytest.mark.slow
+def test_ppo_raises_heldout_accuracy_across_seeds(addition_sft):
+    """configs/ppo.py:addition (a critic from the SFT model's weights, the exact-answer reward, no group baseline)
+    after the same SFT warm-up, 3 RL seeds: the same criterion as GRPO's (docs/rl.md#ppo-on-the-addition-task)."""
+    # Measured with the CLI from runs/sft_rl_addition (start 0.238, standard error 0.019): 0.238 -> 0.338 / 0.318 /
+    # 0.326, a mean gain of 4.7 standard errors; 8 samples of 8 prompts instead gained +0.025. This test (its own
+    # SFT model, start 0.258): 0.338 / 0.332 / 0.312, 3.6 standard errors, 7 min on an idle 2-core box with the
+    # SFT warm-up.
+    _assert_gains(_heldout_gains(addition_sft, "ppo.py", "addition"))

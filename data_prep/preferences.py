@@ -18,7 +18,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +26,7 @@ from jaxtyping import Bool, Int
 from tokenizers import Tokenizer
 
 from data_prep import shards
-from data_prep.sft import Malformed
+from data_prep.sft import Malformed, begin_dataset, read_lines, save_split, skip_report_lines
 from data_prep.tokenizer import TokenizerInfo
 from glm46_jax import atomic
 from glm46_jax.cli import InputError
@@ -252,37 +251,12 @@ def encode_pair(tok: Tokenizer, p: Pair, max_len: int) -> EncodedPair:
 
 def read_pairs(paths: Sequence[str], tok: Tokenizer,
                max_len: int) -> tuple[list[EncodedPair], list[dict[str, str]], int]:
-    """(valid encoded pairs in input order, a report per skipped line in input order, non-blank lines read).
-
-    Blank lines are ignored. A line that is not UTF-8 is reported like any other malformed line."""
-    pairs, reports, lines = [], [], 0
-    for path in paths:
-        with open(path, "rb") as f:  # a missing file is FileNotFoundError: one line from the CLI
-            for number, raw in enumerate(f, 1):
-                location = f"{path}:{number}"
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    lines += 1
-                    reports.append({"location": location, "kind": "invalid_utf8",
-                                    "message": f"{location}: not UTF-8 (byte {e.start})"})
-                    continue
-                if not text.strip():
-                    continue
-                lines += 1
-                try:
-                    pairs.append(encode_pair(tok, parse_line(text, location), max_len))
-                except Malformed as e:
-                    reports.append({"location": location, "kind": e.kind, "message": str(e)})
-    return pairs, reports, lines
+    """(valid encoded pairs in input order, a report per skipped line in input order, non-blank lines read):
+    `sft.read_lines`, so blank lines are ignored and a line that is not UTF-8 is reported like any malformed one."""
+    return read_lines(paths, lambda text, location: encode_pair(tok, parse_line(text, location), max_len))
 
 
 # --- writing -------------------------------------------------------------------------------------------
-
-def _save(path: str, array: np.ndarray) -> None:
-    with atomic.atomic_path(path) as tmp, open(tmp, "wb") as f:
-        np.save(f, array, allow_pickle=False)
-
 
 def split_arrays(pairs: list[EncodedPair]) -> dict[str, np.ndarray]:
     """The four arrays of one split: chosen at sequence 2i, rejected at 2i + 1."""
@@ -307,16 +281,11 @@ def write_preference_dataset(out: str, info: TokenizerInfo, inputs: Sequence[str
     by_split: dict[str, list[EncodedPair]] = {s: [] for s in SPLITS}
     for p in pairs:
         by_split[split_of(p.pair, opts.heldout_fraction)].append(p)
-    os.makedirs(out, exist_ok=True)
-    metadata_path = os.path.join(out, "metadata.json")
-    if os.path.exists(metadata_path):
-        os.remove(metadata_path)
-    atomic.write_text(os.path.join(out, "tokenizer.json"), info.json)
+    metadata_path = begin_dataset(out, info)
     splits = {}
     for split, members in by_split.items():
         arrays = split_arrays(members)
-        for name, array in arrays.items():
-            _save(os.path.join(out, split, f"{name}.npy"), array)
+        save_split(out, split, arrays)
         lengths = np.diff(arrays["offsets"])
         splits[split] = {"pairs": len(members), "prompts": len({p.pair.prompt_digest for p in members}),
                          "tokens": int(lengths.sum()), "assistant_tokens": int(arrays["assistant_mask"].sum()),
@@ -344,24 +313,9 @@ def write_preference_dataset(out: str, info: TokenizerInfo, inputs: Sequence[str
 
 # --- what the CLI prints -------------------------------------------------------------------------------
 
-SHOWN_REPORTS = 20
-
-
 def report_lines(meta: dict[str, Any], skipped: list[dict[str, str]]) -> list[str]:
     """stderr: each skipped line as `warning: file:line: reason` (the first 20), then the counts."""
-    lines = [f"warning: {r['message']}" for r in skipped[:SHOWN_REPORTS]]
-    if len(skipped) > SHOWN_REPORTS:
-        lines.append(f"warning: ... and {len(skipped) - SHOWN_REPORTS} more (metadata.json lists them)")
-    pairs = meta["pairs"]
-    if pairs["skipped"]:
-        kinds = ", ".join(f"{k} {n}" for k, n in pairs["by_kind"].items())
-        lines.append(f"warning: skipped {pairs['skipped']} line(s) of {pairs['lines']} ({kinds})")
-    fraction = meta["config"]["heldout_fraction"]
-    for split, s in meta["splits"].items():
-        if not s["pairs"] and 0 < fraction < 1:
-            lines.append(f"warning: the {split} split is empty (--heldout-fraction {fraction}, "
-                         f"{pairs['valid']} valid pair(s))")
-    return lines
+    return skip_report_lines(meta, skipped, meta["pairs"], "line(s)", "pair(s)", "pairs")
 
 
 def summary_lines(meta: dict[str, Any]) -> list[str]:

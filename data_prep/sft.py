@@ -17,7 +17,7 @@ import hashlib
 import itertools
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -132,11 +132,10 @@ def _check_order(messages: list[dict[str, Any]], location: str) -> None:
         raise Malformed("no_assistant", f"{location}: no assistant message to train on")
 
 
-def read_conversations(paths: Sequence[str]) -> tuple[list[Chat], list[dict[str, str]], int]:
-    """(valid conversations in input order, a report per malformed line, non-blank lines read).
-
-    Blank lines are ignored. A line that is not UTF-8 is reported like any other malformed line."""
-    chats, reports, lines = [], [], 0
+def read_lines[T](paths: Sequence[str], parse: Callable[[str, str], T]) -> tuple[list[T], list[dict[str, str]], int]:
+    """(parse(text, "file:line") of each valid line in input order, a report per line that is not UTF-8 or whose
+    parse raised Malformed, non-blank lines read). Blank lines are ignored."""
+    items, reports, lines = [], [], 0
     for path in paths:
         with open(path, "rb") as f:  # a missing file is FileNotFoundError: one line from the CLI
             for number, raw in enumerate(f, 1):
@@ -152,10 +151,15 @@ def read_conversations(paths: Sequence[str]) -> tuple[list[Chat], list[dict[str,
                     continue
                 lines += 1
                 try:
-                    chats.append(parse_line(text, location))
+                    items.append(parse(text, location))
                 except Malformed as e:
                     reports.append({"location": location, "kind": e.kind, "message": str(e)})
-    return chats, reports, lines
+    return items, reports, lines
+
+
+def read_conversations(paths: Sequence[str]) -> tuple[list[Chat], list[dict[str, str]], int]:
+    """(valid conversations in input order, a report per malformed line, non-blank lines read): `read_lines`."""
+    return read_lines(paths, parse_line)
 
 
 # --- samples -------------------------------------------------------------------------------------------
@@ -259,9 +263,22 @@ def conversation_samples(tok: Tokenizer, c: Chat, max_len: int,
 
 # --- writing -------------------------------------------------------------------------------------------
 
-def _save(path: str, array: np.ndarray) -> None:
-    with atomic.atomic_path(path) as tmp, open(tmp, "wb") as f:
-        np.save(f, array, allow_pickle=False)
+def begin_dataset(out: str, info: TokenizerInfo) -> str:
+    """Make `out`, remove its metadata.json (the marker of a complete dataset, written last) and write the tokenizer;
+    returns the metadata path."""
+    os.makedirs(out, exist_ok=True)
+    metadata_path = os.path.join(out, "metadata.json")
+    if os.path.exists(metadata_path):
+        os.remove(metadata_path)
+    atomic.write_text(os.path.join(out, "tokenizer.json"), info.json)
+    return metadata_path
+
+
+def save_split(out: str, split: str, arrays: dict[str, np.ndarray]) -> None:
+    """Each array as `<out>/<split>/<name>.npy`, written atomically."""
+    for name, array in arrays.items():
+        with atomic.atomic_path(os.path.join(out, split, f"{name}.npy")) as tmp, open(tmp, "wb") as f:
+            np.save(f, array, allow_pickle=False)
 
 
 def _split_arrays(samples: list[Sample]) -> dict[str, np.ndarray]:
@@ -302,16 +319,11 @@ def write_sft_dataset(out: str, info: TokenizerInfo, inputs: Sequence[str], chat
     if not any(by_split.values()):
         raise InputError(f"all {len(chats)} valid conversation(s) were dropped as longer than --max-len "
                          f"{opts.max_len}; raise it (or use --truncate rounds)")
-    os.makedirs(out, exist_ok=True)
-    metadata_path = os.path.join(out, "metadata.json")
-    if os.path.exists(metadata_path):
-        os.remove(metadata_path)
-    atomic.write_text(os.path.join(out, "tokenizer.json"), info.json)
+    metadata_path = begin_dataset(out, info)
     splits = {}
     for split, samples in by_split.items():
         arrays = _split_arrays(samples)
-        for name, array in arrays.items():
-            _save(os.path.join(out, split, f"{name}.npy"), array)
+        save_split(out, split, arrays)
         lengths = np.diff(arrays["offsets"])
         splits[split] = {"conversations": counts["conversations"][split], "samples": len(samples),
                          "tokens": int(lengths.sum()), "assistant_tokens": int(arrays["assistant_mask"].sum()),
@@ -347,20 +359,30 @@ def _count_kinds(reports: list[dict[str, str]]) -> dict[str, int]:
 SHOWN_REPORTS = 20
 
 
-def report_lines(meta: dict[str, Any], malformed: list[dict[str, str]]) -> list[str]:
-    """stderr: each skipped line as `warning: file:line: reason` (the first 20), then the counts."""
-    lines = [f"warning: {r['message']}" for r in malformed[:SHOWN_REPORTS]]
-    if len(malformed) > SHOWN_REPORTS:
-        lines.append(f"warning: ... and {len(malformed) - SHOWN_REPORTS} more (metadata.json lists them)")
-    conv = meta["conversations"]
-    if conv["malformed"]:
-        kinds = ", ".join(f"{k} {n}" for k, n in conv["by_kind"].items())
-        lines.append(f"warning: skipped {conv['malformed']} malformed line(s) of {conv['lines']} ({kinds})")
+def skip_report_lines(meta: dict[str, Any], skipped: list[dict[str, str]], counts: dict[str, Any], what: str,
+                      unit: str, size_key: str) -> list[str]:
+    """The warnings `sft` and `preferences` share: each skipped line as `warning: file:line: reason` (the first
+    20), how many of `counts["lines"]` were skipped by kind, and each split left empty by --heldout-fraction.
+    `what`: the skipped lines ("malformed line(s)"); `unit`: what a valid line is ("conversation(s)"); `size_key`:
+    a split's count in meta["splits"]."""
+    lines = [f"warning: {r['message']}" for r in skipped[:SHOWN_REPORTS]]
+    if len(skipped) > SHOWN_REPORTS:
+        lines.append(f"warning: ... and {len(skipped) - SHOWN_REPORTS} more (metadata.json lists them)")
+    if skipped:
+        kinds = ", ".join(f"{k} {n}" for k, n in counts["by_kind"].items())
+        lines.append(f"warning: skipped {len(skipped)} {what} of {counts['lines']} ({kinds})")
     fraction = meta["config"]["heldout_fraction"]
     for split, s in meta["splits"].items():
-        if not s["samples"] and 0 < fraction < 1:
+        if not s[size_key] and 0 < fraction < 1:
             lines.append(f"warning: the {split} split is empty (--heldout-fraction {fraction}, "
-                         f"{meta['conversations']['valid']} valid conversation(s))")
+                         f"{counts['valid']} valid {unit})")
+    return lines
+
+
+def report_lines(meta: dict[str, Any], malformed: list[dict[str, str]]) -> list[str]:
+    """stderr: each skipped line as `warning: file:line: reason` (the first 20), then the counts."""
+    lines = skip_report_lines(meta, malformed, meta["conversations"], "malformed line(s)", "conversation(s)",
+                              "samples")
     t = meta["truncation"]
     if t["samples_truncated"] or t["samples_dropped"]:
         lines.append(f"warning: {t['samples_truncated']} sample(s) lost {t['rounds_dropped']} earliest round(s) and "

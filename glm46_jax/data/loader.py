@@ -85,6 +85,24 @@ def process_slot(index: int | None, count: int | None, owner: str) -> tuple[int,
 
 # --- corpus layout ---------------------------------------------------------------------------
 
+def read_dataset_metadata(root: str, kind: str, writer: str, what: str) -> dict[str, Any]:
+    """`root`/metadata.json of a dataset that `python -m data_prep <writer>` wrote (its "kind" is `kind`); a missing,
+    unparsable or foreign file is one InputError naming the path and the command that writes one (`what`: e.g. "an
+    SFT dataset")."""
+    path = os.path.join(root, "metadata.json")
+    command = f"`python -m data_prep {writer}`"
+    if not os.path.isfile(path):
+        raise InputError(f"{path} not found: point the loader at {what} written by {command}")
+    with open(path, encoding="utf-8") as f:
+        try:
+            meta = json.load(f)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); re-run {command}") from None
+    if not isinstance(meta, dict) or meta.get("kind") != kind:
+        raise InputError(f"{path}: not {what} (no \"kind\": \"{kind}\"); write one with {command}")
+    return meta
+
+
 def read_metadata(root: str) -> dict[str, Any]:
     path = os.path.join(root, "metadata.json")
     if not os.path.isfile(path):

@@ -27,7 +27,6 @@ The batch, per row (all int32 except margin):
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -69,20 +68,7 @@ class PreferenceLoaderConfig:
 
 
 def read_preference_metadata(root: str) -> dict[str, Any]:
-    path = os.path.join(root, "metadata.json")
-    if not os.path.isfile(path):
-        raise InputError(f"{path} not found: point the preference loader at a dataset written by "
-                         "`python -m data_prep preferences`")
-    with open(path, encoding="utf-8") as f:
-        try:
-            meta = json.load(f)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); re-run "
-                             "`python -m data_prep preferences`") from None
-    if not isinstance(meta, dict) or meta.get("kind") != "preferences":
-        raise InputError(f"{path}: not a preference dataset (no \"kind\": \"preferences\"); write one with "
-                         "`python -m data_prep preferences`")
-    return meta
+    return loader.read_dataset_metadata(root, "preferences", "preferences", "a preference dataset")
 
 
 class PairSource(grain.sources.RandomAccessDataSource):

@@ -19,7 +19,6 @@ is assistant output and tokens[j], tokens[j + 1] are in the same sample (docs/sf
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -64,15 +63,7 @@ class SFTLoaderConfig:
 
 
 def read_sft_metadata(root: str) -> dict[str, Any]:
-    path = os.path.join(root, "metadata.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: point the SFT loader at a dataset written by "
-                                "`python -m data_prep sft`")
-    with open(path, encoding="utf-8") as f:
-        meta = json.load(f)
-    if meta.get("kind") != "sft":
-        raise InputError(f"{path}: not an SFT dataset (no \"kind\": \"sft\"); write one with `python -m data_prep sft`")
-    return meta
+    return loader.read_dataset_metadata(root, "sft", "sft", "an SFT dataset")
 
 
 class SampleSource(grain.sources.RandomAccessDataSource):

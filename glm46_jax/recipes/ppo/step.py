@@ -52,7 +52,7 @@ def ppo_loss(params: dict[str, nnx.State], buffers: dict[str, nnx.State], batch:
              policy: nnx.GraphDef, critic: nnx.GraphDef, settings: PPOSettings, policy_weight: Array | float = 1.0
              ) -> tuple[Array, dict[str, Array]]:
     """The PPO loss; policy_weight 0 (the critic's warm-up) leaves the policy's gradient zero and so, under Adam
-    with zeroed moments, its weights in place."""
+    with zeroed moments, its weights in place (but for decoupled weight decay, when optim.weight_decay > 0)."""
     logp, entropy, differs = completion_logprobs(params["policy"], buffers["policy"], policy, batch,
                                                  settings.temperature, settings.routing_replay)
     mask, old = like(batch["completion_mask"], logp), like(batch["old_logprobs"], logp)

@@ -85,12 +85,12 @@ def process_slot(index: int | None, count: int | None, owner: str) -> tuple[int,
 
 # --- corpus layout ---------------------------------------------------------------------------
 
-def read_dataset_metadata(root: str, kind: str, writer: str, what: str) -> dict[str, Any]:
-    """`root`/metadata.json of a dataset that `python -m data_prep <writer>` wrote (its "kind" is `kind`); a missing,
+def read_dataset_metadata(root: str, kind: str, what: str) -> dict[str, Any]:
+    """`root`/metadata.json of a dataset that `python -m data_prep <kind>` wrote (its "kind" field); a missing,
     unparsable or foreign file is one InputError naming the path and the command that writes one (`what`: e.g. "an
     SFT dataset")."""
     path = os.path.join(root, "metadata.json")
-    command = f"`python -m data_prep {writer}`"
+    command = f"`python -m data_prep {kind}`"
     if not os.path.isfile(path):
         raise InputError(f"{path} not found: point the loader at {what} written by {command}")
     with open(path, encoding="utf-8") as f:

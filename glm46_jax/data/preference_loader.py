@@ -68,7 +68,7 @@ class PreferenceLoaderConfig:
 
 
 def read_preference_metadata(root: str) -> dict[str, Any]:
-    return loader.read_dataset_metadata(root, "preferences", "preferences", "a preference dataset")
+    return loader.read_dataset_metadata(root, "preferences", "a preference dataset")
 
 
 class PairSource(grain.sources.RandomAccessDataSource):

@@ -63,7 +63,7 @@ class SFTLoaderConfig:
 
 
 def read_sft_metadata(root: str) -> dict[str, Any]:
-    return loader.read_dataset_metadata(root, "sft", "sft", "an SFT dataset")
+    return loader.read_dataset_metadata(root, "sft", "an SFT dataset")
 
 
 class SampleSource(grain.sources.RandomAccessDataSource):

@@ -33,6 +33,7 @@ from glm46_jax.config import get_preset
 from glm46_jax.run_config import CheckpointConfig, DataConfig, DistributedConfig, MeshConfig, TrainConfig
 from glm46_jax.training.balancing import BalanceConfig
 from glm46_jax.training.loss import LossConfig
+from glm46_jax.training.monitor import MonitorConfig
 from glm46_jax.training.optim import OptimConfig
 
 T, B = 10**12, 10**9
@@ -152,6 +153,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # else one process. mode="off" forces one process. A process silent for heartbeat_timeout_s makes the
     # others abort (non-zero exit) instead of hanging.
     c.distributed = dataclasses.asdict(DistributedConfig())
+
+    # What watches the run (docs/monitoring.md): metric sinks (jsonl, tensorboard, prometheus, wandb), the
+    # Prometheus port (process i serves port + i), the hang watchdog, the straggler exchange.
+    c.monitor = dataclasses.asdict(MonitorConfig())
 
     # Every OptimConfig field (glm46_jax/training/optim.py): Muon for hidden matrices, AdamW for the rest.
     # decay_steps 0: the schedule spans the run, however many steps that is.

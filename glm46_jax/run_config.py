@@ -40,6 +40,7 @@ from glm46_jax.recipe_config import (
 from glm46_jax.training.balancing import BalanceConfig
 from glm46_jax.training.loss import LossConfig
 from glm46_jax.training.optim import OptimConfig
+from glm46_jax.training.monitor import MonitorConfig
 from glm46_jax.training.trainer import TrainConfig
 
 
@@ -112,6 +113,7 @@ class RunConfig:
     optim: OptimConfig
     loss: LossConfig
     balance: BalanceConfig
+    monitor: MonitorConfig = MonitorConfig()  # metric sinks, Prometheus, watchdog, stragglers (docs/monitoring.md)
     # The config file's values as given (JSON): written to run_dir/config.json and the checkpoints' meta,
     # so a run can be reproduced from them.
     source: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
@@ -257,6 +259,7 @@ def from_config_dict(config: Any) -> RunConfig:
         mesh=_section(MeshConfig, "mesh", d["mesh"]), train=train_cfg,
         checkpoint=_section(CheckpointConfig, "checkpoint", d["checkpoint"]), data=data_cfg,
         distributed=_section(DistributedConfig, "distributed", d.get("distributed", {})),
+        monitor=_section(MonitorConfig, "monitor", d.get("monitor", {})),
         optim=_section(OptimConfig, "optim", d["optim"]), loss=_section(LossConfig, "loss", d["loss"]),
         balance=_section(BalanceConfig, "balance", d["balance"]), source=d, recipe=recipe, sft=sft, lora=lora, rl=rl,
         preference=preference, ppo=ppo)

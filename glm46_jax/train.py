@@ -11,10 +11,10 @@ the same way (`trainer.Recipe`), and the loop around the step (evaluation, bad s
 preemption) is `trainer.fit`'s.
 
 Writes to `run_dir`: config.json (the config as given), tokenizer.json (the corpus's),
-metrics.jsonl and tensorboard/ (`metrics.MetricWriter`), checkpoints/<step>/ (`checkpoint.Checkpointer`:
+metrics.jsonl and tensorboard/ (`monitor.sinks`: also Prometheus and W&B; docs/monitoring.md), checkpoints/<step>/ (`checkpoint.Checkpointer`:
 weights, optimizer, data-iterator state, meta), from which a restarted run resumes, and at the end
 status.json: {"state": "complete" | "stopped" (by SIGTERM/SIGUSR1, saved and resumable), "step",
-"total_steps", "reason"}.
+"total_steps", "reason"}, or "hung" (written by the watchdog, glm46_jax/training/watchdog.py).
 
 Multi-process (`distributed.initialize`, called first by `main`: Slurm's srun, or
 `launch/local_multiprocess.sh N`): every process runs this same program on its own devices and
@@ -86,7 +86,7 @@ def train(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
         recipe.start(state, data_state)
         with trainer.Preemption(multi_process=jax.process_count() > 1) as stop:
             state, summary = trainer.fit(recipe, state, ckpt, cfg.train, run_dir=cfg.run_dir, start_step=start_step,
-                                         stop=stop, global_rows=recipe.global_rows)
+                                         stop=stop, global_rows=recipe.global_rows, monitor_cfg=cfg.monitor)
         if not stop.requested:  # e.g. LoRA: the merged weights
             summary["merged"] = recipe.finish(state, summary["steps"], cfg.run_dir, summary["tokens_seen"])
     finally:

@@ -63,7 +63,8 @@ def fixture_config(run_dir: str, corpus: str, steps: int):
     del config.data.phases["code_long"]
     config.data.phase_order = ("general",)
     config.data.phases.general.update(tokens=100 * BATCH * SEQ_LEN, seq_len=SEQ_LEN, global_batch=BATCH)
-    config.train.update(steps=steps, log_every=1, eval_every=0, eval_batches=1, tensorboard=False)
+    config.train.update(steps=steps, log_every=1, eval_every=0, eval_batches=1)
+    config.monitor.sinks = "jsonl"
     config.optim.update(warmup_steps=2, decay_steps=20)
     config.checkpoint.update(every=STEPS, keep=1)
     return config

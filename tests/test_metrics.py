@@ -1,4 +1,5 @@
-"""metrics.py: MFU arithmetic, the peak-FLOP/s table, the matmul probe, memory, and the metric writer.
+"""metrics.py: MFU arithmetic, the peak-FLOP/s table, the matmul probe, memory; sinks.py: the JSONL and TensorBoard
+sinks behind the metric writer.
 
 The TensorBoard check parses the event file's TFRecord framing and CRCs here, independently of
 tensorboardX's writer (tensorboard's own reader is not a dependency).
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from glm46_jax.training import metrics
+from glm46_jax.training import metrics, sinks
 
 
 @dataclasses.dataclass
@@ -108,7 +109,7 @@ STEPS = {
 
 def test_metric_writer_jsonl_and_tensorboard(tmp_path):
     run_dir = str(tmp_path / "run")
-    with metrics.MetricWriter(run_dir) as writer:
+    with _writer(run_dir) as writer:
         for step, scalars in STEPS.items():
             writer.write(step, scalars)
         # Flushed on write: readable while the run goes, before close.
@@ -132,7 +133,7 @@ def test_metric_writer_jsonl_and_tensorboard(tmp_path):
 
 
 def test_metric_writer_non_finite(tmp_path):
-    with metrics.MetricWriter(str(tmp_path)) as writer:
+    with _writer(str(tmp_path)) as writer:
         writer.write(7, {"loss": float("nan"), "grad_norm": np.inf, "ok": 1.5})
     with open(tmp_path / "metrics.jsonl") as f:
         text = f.read()
@@ -145,11 +146,11 @@ def test_metric_writer_non_finite(tmp_path):
 
 
 def test_metric_writer_truncates_and_close_is_idempotent(tmp_path):
-    with metrics.MetricWriter(str(tmp_path), tensorboard=False) as writer:
+    with _writer(str(tmp_path), tensorboard=False) as writer:
         writer.write(1, {"loss": 1.0})
         writer.write(2, {"loss": 2.0})
     writer.close()
-    writer = metrics.MetricWriter(str(tmp_path), tensorboard=False)
+    writer = _writer(str(tmp_path), tensorboard=False)
     writer.write(5, {"loss": 5.0})
     writer.close()
     with open(tmp_path / "metrics.jsonl") as f:
@@ -157,10 +158,25 @@ def test_metric_writer_truncates_and_close_is_idempotent(tmp_path):
     assert not os.path.exists(tmp_path / "tensorboard")
 
 
-def test_metric_writer_disabled_creates_nothing(tmp_path):
-    run_dir = tmp_path / "run"
-    with metrics.MetricWriter(str(run_dir), enabled=False) as writer:
-        writer.write(1, {"loss": 1.0})
-    writer.close()
-    assert not run_dir.exists()
-    assert list(tmp_path.iterdir()) == []
+def test_metric_writer_hands_every_sink_the_same_float_record():
+    class Recording:
+        def __init__(self):
+            self.records, self.closed = [], 0
+
+        def write(self, step, scalars, phase):
+            self.records.append((step, dict(scalars), phase))
+
+        def close(self):
+            self.closed += 1
+
+    a, b = Recording(), Recording()
+    with sinks.MetricWriter([a, b]) as writer:
+        writer.write(3, {"loss": jnp.float32(2.5), "n": np.int64(4)}, "code")
+    assert a.records == b.records == [(3, {"loss": 2.5, "n": 4.0}, "code")]
+    assert all(type(v) is float for v in a.records[0][1].values())
+    assert a.closed == b.closed == 1
+
+
+def _writer(run_dir: str, tensorboard: bool = True) -> sinks.MetricWriter:
+    out = [sinks.JsonlSink(run_dir)]
+    return sinks.MetricWriter(out + [sinks.TensorBoardSink(run_dir)] if tensorboard else out)

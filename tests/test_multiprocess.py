@@ -6,10 +6,12 @@ environment is read as JAX's own Slurm detection reads it."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import jax
 import numpy as np
@@ -24,6 +26,7 @@ from glm46_jax.run_config import DistributedConfig
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 LAUNCHER = os.path.join(ROOT, "launch", "local_multiprocess.sh")
 STEPS, EVERY, HEARTBEAT_S = 10, 4, 10
+SLOW_S = 0.5
 
 
 # --- Slurm detection (faked environments) ------------------------------------------------------
@@ -110,10 +113,11 @@ def _flags(run_dir: str, corpus: str) -> list[str]:
             f"--config.distributed.heartbeat_timeout_s={HEARTBEAT_S}"]
 
 
-def _launch(n: int, run_dir: str, corpus: str, devices: int, logs: str = "logs") -> subprocess.Popen:
+def _launch(n: int, run_dir: str, corpus: str, devices: int, logs: str = "logs", flags: tuple[str, ...] = (),
+            **env_extra: str) -> subprocess.Popen:
     env = subprocess_env(None, PYTHON=sys.executable, DEVICES_PER_PROCESS=str(devices),
-                         LOG_DIR=os.path.join(run_dir, logs), GRACE_S="120")
-    return subprocess.Popen(["bash", LAUNCHER, str(n), *_flags(run_dir, corpus)], cwd=ROOT, env=env,
+                         LOG_DIR=os.path.join(run_dir, logs), GRACE_S="120", **env_extra)
+    return subprocess.Popen(["bash", LAUNCHER, str(n), *_flags(run_dir, corpus), *flags], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -183,10 +187,26 @@ def runs(tmp_path_factory, sample_corpus):
     print(f"\nprocess 1 SIGKILLed after step {max(_losses(two))}: the launcher exited {proc.returncode} "
           f"{out['detected_s']:.1f} s later (heartbeat timeout {HEARTBEAT_S} s)")
 
-    out["resumed_log"] = _finish(_launch(2, two, sample_corpus, devices=4, logs="logs_restart"), two, 2,
-                                 "logs_restart")
+    # The restart also has a straggler: process 1 sleeps SLOW_S before each step (an injected fault; the losses do
+    # not change). The processes compare their host time every 2 steps; process 0's exporter is scraped while it
+    # lingers after the run.
+    proc = _launch(2, two, sample_corpus, devices=4, logs="logs_restart", GLM46_FAULTS=f"slow_process=1,slow_s={SLOW_S}",
+                   flags=("--config.monitor.straggler_every=2", "--config.monitor.sinks=jsonl,prometheus",
+                          "--config.monitor.prometheus_port=0", "--config.monitor.prometheus_linger_s=20"))
+    out["straggler_scrape"] = _scrape_at_the_end(proc, two, "logs_restart")
+    out["resumed_log"] = _finish(proc, two, 2, "logs_restart")
     out["resumed_log_1"] = _log(two, 1, "logs_restart")
     return out
+
+
+def _scrape_at_the_end(proc: subprocess.Popen, run_dir: str, logs: str) -> str:
+    """Process 0's /metrics once its run has ended (it says so, then lingers): the port is in its log."""
+    path = os.path.join(run_dir, logs, "process_0.log")
+    _wait_for(proc, run_dir, logs, lambda: os.path.exists(path) and "serving 20 s more" in open(path).read(),
+              "the run's end")
+    port = re.search(r"prometheus exporter: http://[^:]+:(\d+)/metrics", open(path).read()).group(1)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
 
 
 @pytest.mark.slow
@@ -206,6 +226,24 @@ def test_killing_one_process_stops_the_other_with_a_clear_error(runs):
     assert "another task died" in runs["survivor_log"], runs["survivor_log"][-3000:]
     assert "process 0 (pid" in runs["launcher_out"]  # and it exited non-zero by itself
     assert runs["detected_s"] < HEARTBEAT_S + 50
+
+
+@pytest.mark.slow
+def test_a_slow_process_is_named_in_the_log_and_the_metric(runs):
+    """Process 1 sleeps SLOW_S per step; process 0 waits for it in the step's collectives. Their host seconds per
+    step, exchanged every 2 steps, name process 1, in process 0's log and in its exporter's straggler ratio."""
+    named = re.findall(r"step (\d+): the slowest process is (\d), ([\d.]+) host s/step, ([\d.]+)x the median",
+                       runs["resumed_log"])
+    assert named and all(p == "1" for _, p, _, _ in named), runs["resumed_log"][-3000:]
+    assert all(int(s) % 2 == 0 for s, _, _, _ in named)
+    # Two processes: the median is their mean, so the ratio is below 2; 1.5 = process 0 spends < SLOW_S / 4 per step.
+    assert all(float(host_s) >= SLOW_S and 1.5 < float(ratio) < 2 for _, _, host_s, ratio in named), named
+    last = re.search(r'training_straggler_ratio\{process="0",run="[^"]+",slowest_process="1"\} ([\d.]+)',
+                     runs["straggler_scrape"])
+    assert last and float(last.group(1)) == pytest.approx(float(named[-1][3]), rel=1e-2), runs["straggler_scrape"]
+    with open(os.path.join(runs["two"], "metrics.jsonl")) as f:
+        records = [r for r in map(json.loads, f) if "straggler/process" in r]
+    assert records and all(r["straggler/process"] == 1 for r in records)
 
 
 @pytest.mark.slow

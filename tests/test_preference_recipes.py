@@ -29,7 +29,7 @@ ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 MODEL = ["--config.model.num_hidden_layers=2", "--config.model.hidden_size=32", "--config.model.num_attention_heads=4",
          "--config.model.num_key_value_heads=2", "--config.model.num_nextn_predict_layers=0",
          "--config.model.scan_unroll=2", "--config.mesh.data=1", "--config.checkpoint.init_from=",
-         "--config.train.tensorboard=False", "--config.checkpoint.async_save=False"]
+         "--config.monitor.sinks=jsonl", "--config.checkpoint.async_save=False"]
 
 
 def _pairs_jsonl(path: str, n: int, seed: int = 0) -> None:

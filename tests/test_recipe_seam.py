@@ -103,7 +103,8 @@ def config(run_dir: str, steps: int):
         c.recipe = "two_models"
         c.run_dir = run_dir
         c.model.update(num_hidden_layers=POLICY.num_hidden_layers, num_nextn_predict_layers=0)
-        c.train.update(steps=steps, log_every=1, eval_every=0, tensorboard=False)
+        c.train.update(steps=steps, log_every=1, eval_every=0)
+        c.monitor.sinks = "jsonl"
         c.checkpoint.update(every=2, keep=5, async_save=False)
         c.optim.update(algorithm="adamw", lr=1e-2, end_lr=1e-2, warmup_steps=0, weight_decay=0.0, decay_steps=100)
     return run_config.from_config_dict(c)

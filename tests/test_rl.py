@@ -258,7 +258,8 @@ def _grpo_config(tmp_path, run_dir, steps, **rl):
     with c.unlocked():
         c.run_dir = str(tmp_path / run_dir)
         c.checkpoint.update(init_from="", every=2, keep=5, async_save=False)
-        c.train.update(steps=steps, log_every=1, eval_every=0, eval_batches=1, tensorboard=False)
+        c.train.update(steps=steps, log_every=1, eval_every=0, eval_batches=1)
+        c.monitor.sinks = "jsonl"
         c.optim.update(decay_steps=100, warmup_steps=0)
         c.rl.update(prompts=os.path.join(data, "prompts_train.jsonl"),
                     heldout=os.path.join(data, "prompts_heldout.jsonl"), tokenizer=os.path.join(data, "tokenizer.json"), group_size=4, prompts_per_step=4, minibatches=2,
@@ -321,7 +322,7 @@ def addition_sft(tmp_path_factory):
     with c.unlocked():
         c.run_dir = str(root / "sft")
         c.sft.root = os.path.join(data, "sft")
-        c.train.tensorboard = False
+        c.monitor.sinks = "jsonl"
         c.checkpoint.async_save = False
     train.train(run_config.from_config_dict(c), jax.devices()[:1])
     return root, data
@@ -342,7 +343,8 @@ def _heldout_gains(addition_sft, config: str, preset: str) -> list[tuple[float, 
         with c.unlocked():
             c.run_dir = str(root / f"{config.removesuffix('.py')}_{seed}")
             c.checkpoint.update(init_from=str(root / "sft"), async_save=False)
-            c.train.update(seed=seed, eval_every=0, tensorboard=False)
+            c.train.update(seed=seed, eval_every=0)
+            c.monitor.sinks = "jsonl"
             c.rl.update(prompts=os.path.join(data, "prompts_train.jsonl"),
                         heldout=os.path.join(data, "prompts_heldout.jsonl"))
         assert c.rl.rollouts == RL_DEMO_ROLLOUTS  # the preset as documented, not a shortened run

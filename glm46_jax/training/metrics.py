@@ -1,4 +1,4 @@
-"""Training metrics on the host: peak FLOP/s, MFU, device memory, and a JSONL + TensorBoard writer.
+"""Training metrics on the host: peak FLOP/s, MFU, device memory. Where they are written: sinks.py.
 
 Nothing here is jitted: these run between steps on values already fetched to the host.
 The MFU numerator comes from `glm46_jax.model.counting.flops_per_token(cfg, seq_len)`; the denominator
@@ -8,15 +8,12 @@ is `peak_flops` (datasheet) where the chip is known, else `measure_matmul_peak` 
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import resource
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from types import TracebackType
-from typing import Any, Self
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -146,66 +143,3 @@ def device_memory_peak_bytes(device: jax.Device | None = None) -> int | None:
         max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return int(max_rss if sys.platform == "darwin" else max_rss * 1024)  # macOS: bytes; Linux: KiB
     return None
-
-
-def _json_float(value: float) -> float | None:
-    # Standard JSON has no NaN/Infinity (Python's own "NaN" output breaks strict readers): use null.
-    return value if math.isfinite(value) else None
-
-
-class MetricWriter:
-    """Scalars per step to `run_dir/metrics.jsonl` and TensorBoard events in `run_dir/tensorboard/`.
-
-    Each `write` appends one JSON line `{"step": step, **scalars}` and flushes both outputs, so a
-    run can be watched while it goes. Values become Python floats; non-finite ones are `null` in
-    the JSONL (JSON cannot hold NaN/inf) and are kept as-is in TensorBoard. The JSONL is truncated
-    at construction (one fresh log per run, even when `run_dir` is reused) unless `append=True`
-    (a resumed run continues its log).
-    With `enabled=False` (processes other than 0 in a multi-host run) every method does nothing
-    and nothing is created on disk.
-    """
-
-    def __init__(self, run_dir: str, *, enabled: bool = True, tensorboard: bool = True, append: bool = False):
-        self.run_dir = run_dir
-        self._jsonl = None
-        self._tensorboard = None
-        if not enabled:
-            return
-        os.makedirs(run_dir, exist_ok=True)
-        # Not a with-block: the file stays open across writes and is closed in close().
-        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a" if append else "w")  # noqa: SIM115
-        if tensorboard:
-            # Imported here: tensorboardX pulls in protobuf, which importing this module should not pay for.
-            from tensorboardX import SummaryWriter
-
-            self._tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-
-    def write(self, step: int, scalars: Mapping[str, Any]) -> None:
-        """Record `scalars` (Python, NumPy or 0-d JAX numbers) at `step`."""
-        if self._jsonl is None:
-            return
-        values = {name: float(value) for name, value in scalars.items()}
-        record = {"step": int(step), **{name: _json_float(v) for name, v in values.items()}}
-        self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
-        self._jsonl.flush()
-        if self._tensorboard is not None:
-            for name, value in values.items():
-                self._tensorboard.add_scalar(name, value, int(step))
-            self._tensorboard.flush()
-
-    def close(self) -> None:
-        """Flush and close the files; calling it again does nothing."""
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()

@@ -12,7 +12,10 @@ driver owns everything around the step and is the same for all of them:
   * `BadSteps`: non-finite or spiking steps are skipped by the step itself; here the policy after
     several in a row: stop ("skip") or roll back to the last checkpoint ("rollback");
   * `StepTimer`: step time, tokens/s and MFU with compilation and evaluation kept out;
-  * `Progress`: metrics to JSONL/TensorBoard, a progress bar, the run's first/last figures;
+  * `Progress`: metrics to the configured sinks (JSONL, TensorBoard, Prometheus, W&B: `monitor.open_writer`),
+    a progress bar, the run's first/last figures;
+  * `Watch`: what a weeks-long run needs watched (docs/monitoring.md): the hang watchdog, the straggler
+    exchange, device memory, the data wait, a profiler window;
   * evaluation at `eval_every`, at every segment's end and at the run's end;
   * checkpoints at Orbax's interval, at the end and on preemption (`Preemption`: SIGTERM/SIGUSR1).
 The loop stays asynchronous: the next batch is prepared while the step runs, and the only
@@ -22,6 +25,7 @@ per-step host sync is reading the loss. Design notes: docs/trainer.md#the-recipe
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import signal
@@ -37,7 +41,7 @@ from tqdm import tqdm
 
 from glm46_jax.cli import check_at_least, check_choice
 from glm46_jax.parallel import distributed, sharding
-from glm46_jax.training import checkpoint, metrics
+from glm46_jax.training import checkpoint, metrics, monitor
 
 _END_WINDOW = 10  # "end loss" = mean over this many final steps: one noisy batch says little
 
@@ -56,7 +60,8 @@ class TrainConfig:
     rollback_after: int = 3  # "rollback": restore the last checkpoint after this many in a row
     spike_factor: float = 0.0  # a loss above factor x its running mean is a bad step; 0 = off
     spike_warmup: int = 10  # steps of the running mean before spike_factor applies
-    tensorboard: bool = True
+    profile_steps: str = ""  # "START:END": a jax.profiler trace of those steps in run_dir/profile/; "" = none
+    profile_all_processes: bool = False  # trace every process, not only process 0
 
     def __post_init__(self):
         check_at_least("train", self, 0, "steps", meaning="0 = until the curriculum's tokens are spent")
@@ -65,6 +70,8 @@ class TrainConfig:
         check_at_least("train", self, 0, "seed", "spike_warmup")
         check_at_least("train", self, 1, "log_every", "eval_batches", "accum_steps", "max_nonfinite", "rollback_after")
         check_choice("train", self, "bad_steps", ("skip", "rollback"))
+        if self.profile_steps:
+            monitor.parse_steps(self.profile_steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,8 +248,8 @@ class Programs:
     """Each segment's train step, compiled ahead of time once per batch shape (a batch of another shape fails
     loudly instead of silently recompiling)."""
 
-    def __init__(self, recipe: Recipe, timer: StepTimer):
-        self.recipe, self.timer = recipe, timer
+    def __init__(self, recipe: Recipe, timer: StepTimer, watch: monitor.Watch):
+        self.recipe, self.timer, self.watch = recipe, timer, watch
         self.compiled: dict[tuple, Any] = {}
         self.compile_s = 0.0
 
@@ -250,9 +257,10 @@ class Programs:
         key = (inp.segment.name, inp.batch["inputs"].shape)
         if key not in self.compiled:
             t0 = time.perf_counter()
-            step = self.recipe.steps_for(inp.segment)
-            self.compiled[key] = step.lower(state, inp.batch, inp.controls, self.recipe.frozen).compile()
-            distributed.barrier(f"compiled {inp.segment.name} train step")  # before its first collective
+            with self.watch.paused(f"compiling {inp.segment.name}"):  # a compile is not a hang
+                step = self.recipe.steps_for(inp.segment)
+                self.compiled[key] = step.lower(state, inp.batch, inp.controls, self.recipe.frozen).compile()
+                distributed.barrier(f"compiled {inp.segment.name} train step")  # before its first collective
             seconds = time.perf_counter() - t0
             self.compile_s += seconds
             self.timer.exclude(seconds)  # a new segment's compile is not step time
@@ -265,12 +273,12 @@ def _scalars(values: Mapping[str, Any], prefix: str) -> dict[str, float]:
 
 
 class Progress:
-    """Metric records (JSONL + TensorBoard, process 0 only), the progress bar, and the figures the
-    summary reports: the first logged train record, the last steps' metrics, the last eval."""
+    """Metric records (to the sinks `monitor.sinks` names: monitor.open_writer), the progress bar, and the figures
+    the summary reports: the first logged train record, the last steps' metrics, the last eval."""
 
-    def __init__(self, run_dir: str, cfg: TrainConfig, *, total: int, start_step: int, append: bool):
+    def __init__(self, run_dir: str, cfg: monitor.MonitorConfig, *, total: int, start_step: int, append: bool):
         self.is_main = jax.process_index() == 0
-        self.writer = metrics.MetricWriter(run_dir, enabled=self.is_main, tensorboard=cfg.tensorboard, append=append)
+        self.writer = monitor.open_writer(cfg, run_dir, append=append)
         self.bar = tqdm(total=total, initial=start_step - 1, disable=not self.is_main, desc="train")
         self.history: collections.deque = collections.deque(maxlen=_END_WINDOW)  # device metrics, read at the end
         self.first: dict[str, float] = {}
@@ -286,13 +294,13 @@ class Progress:
     def train(self, step: int, step_metrics: Any, values: dict[str, float]) -> None:
         values = {**_scalars(step_metrics, "train"), **values}
         self.first = self.first or values
-        self.writer.write(step, values)
+        self.writer.write(step, values, self.segments[-1])
         shown = {k: f"{values[f'train/{k}']:.3f}" for k in ("loss", "ce", "accuracy") if f"train/{k}" in values}
         self.bar.set_postfix(**shown)
 
     def eval(self, step: int, values: dict[str, float]) -> None:
         self.last_eval, self.last_eval_step = values, step
-        self.writer.write(step, {**values, "eval/phase_index": float(len(self.segments) - 1)})
+        self.writer.write(step, {**values, "eval/phase_index": float(len(self.segments) - 1)}, self.segments[-1])
 
     def close(self) -> None:
         self.bar.close()
@@ -310,47 +318,59 @@ class _Loop:
     timer: StepTimer
     bad: BadSteps
     progress: Progress
+    watch: monitor.Watch
     save_block_s: list[float] = dataclasses.field(default_factory=list)
     tokens_seen: int = 0
     warned_no_eval: set[str] = dataclasses.field(default_factory=set)
+    evaluated: set[str] = dataclasses.field(default_factory=set)  # segments whose eval program is compiled
 
 
 def fit(recipe: Recipe, state: Any, ckpt: checkpoint.Checkpointer, cfg: TrainConfig, *, run_dir: str,
-        start_step: int, stop: Preemption, global_rows: bool = False) -> tuple[Any, dict[str, Any]]:
+        start_step: int, stop: Preemption, global_rows: bool = False,
+        monitor_cfg: monitor.MonitorConfig = monitor.MonitorConfig()) -> tuple[Any, dict[str, Any]]:
     """Train from `start_step` to `recipe.total_steps` (or a preemption); returns (state, summary)."""
     timer = StepTimer(recipe.mesh, start_step)
-    loop = _Loop(recipe, cfg, ckpt, stop, Programs(recipe, timer), timer,
-                 BadSteps(cfg, ckpt, global_rows),
-                 Progress(run_dir, cfg, total=recipe.total_steps, start_step=start_step, append=start_step > 1))
-    logging.info("%d steps; MFU peak %.3g FLOP/s (%s)", recipe.total_steps, timer.peak or 0, timer.peak_source)
     step = start_step - 1
     # Host<->device copies in the loop must be explicit (device_get, loader.to_global).
-    with sharding.use_mesh(recipe.mesh), jax.transfer_guard("disallow"):
-        try:
-            inp = recipe.next_input(state, loop.bad.max_loss)
-            timer.restart()
-            for step in range(start_step, recipe.total_steps + 1):
-                state, inp, stopping = _step(loop, step, state, inp)
-                if stopping:
-                    logging.warning("%s: saved step %d and stopping", stop.requested, step)
-                    break
-        finally:
-            loop.progress.close()
+    with contextlib.ExitStack() as closing, sharding.use_mesh(recipe.mesh), jax.transfer_guard("disallow"):
+        progress = Progress(run_dir, monitor_cfg, total=recipe.total_steps, start_step=start_step,
+                            append=start_step > 1)
+        closing.callback(progress.close)
+        watch = monitor.Watch(monitor_cfg, run_dir, profile_steps=cfg.profile_steps,
+                              profile_all=cfg.profile_all_processes, total_steps=recipe.total_steps)
+        closing.callback(watch.close)  # closed first: the exporter's linger after the run is not a hang
+        loop = _Loop(recipe, cfg, ckpt, stop, Programs(recipe, timer, watch), timer, BadSteps(cfg, ckpt, global_rows),
+                     progress, watch)
+        logging.info("%d steps; MFU peak %.3g FLOP/s (%s)", recipe.total_steps, timer.peak or 0, timer.peak_source)
+        inp = recipe.next_input(state, loop.bad.max_loss)
+        timer.restart()
+        for step in range(start_step, recipe.total_steps + 1):
+            state, inp, stopping = _step(loop, step, state, inp)
+            if stopping:
+                logging.warning("%s: saved step %d and stopping", stop.requested, step)
+                break
     return state, _summary(loop, step)
 
 
 def _step(loop: _Loop, step: int, state: Any, inp: StepInput) -> tuple[Any, StepInput | None, bool]:
     """Run `step` on `inp`; log, evaluate and save as due. Returns (state, next input, stopping)."""
-    recipe, cfg = loop.recipe, loop.cfg
+    recipe, cfg, watch = loop.recipe, loop.cfg, loop.watch
     loop.progress.enter(inp.segment)
     train_step = loop.programs.get(state, inp)
     started = time.perf_counter()
-    state, step_metrics = train_step(state, inp.batch, inp.controls, recipe.frozen)
-    loop.progress.history.append(step_metrics)
+    watch.before_step(step)
     last = step == recipe.total_steps
-    nxt = None if last else recipe.next_input(state, loop.bad.max_loss)  # prepared while the step runs
-    loss, in_a_row = jax.device_get((step_metrics["loss"], step_metrics["nonfinite_in_a_row"]))
+    with watch.profile.annotate(step):
+        state, step_metrics = train_step(state, inp.batch, inp.controls, recipe.frozen)
+        loop.progress.history.append(step_metrics)
+        t0 = time.perf_counter()
+        nxt = None if last else recipe.next_input(state, loop.bad.max_loss)  # prepared while the step runs
+        t1 = time.perf_counter()
+        loss, in_a_row = jax.device_get((step_metrics["loss"], step_metrics["nonfinite_in_a_row"]))
+        t2 = time.perf_counter()
+    watch.data_wait(t1 - t0)
     state = loop.bad.after(step, state, float(loss), int(in_a_row))
+    watch.step_done(step, host_s=t1 - started)  # the host's part: all but waiting for the devices (t1..t2)
     tokens = inp.batch["inputs"].size
     flops_per_token = recipe.flops_per_token(inp.segment)
     loop.timer.step_done(step, started, flops_per_token * tokens)
@@ -363,7 +383,7 @@ def _step(loop: _Loop, step: int, state: Any, inp: StepInput) -> tuple[Any, Step
         mfu = loop.timer.mfu(flops_per_token, tokens / step_s)
         if mfu is not None and step > 1:
             values["train/mfu"] = mfu
-        loop.progress.train(step, step_metrics, values)
+        loop.progress.train(step, step_metrics, {**values, **watch.record()})
     segment_ends = nxt is not None and nxt.segment.name != inp.segment.name
     if (cfg.eval_every and step % cfg.eval_every == 0) or last or segment_ends:  # every segment ends with one
         _evaluate(loop, step, state, inp)
@@ -373,14 +393,22 @@ def _step(loop: _Loop, step: int, state: Any, inp: StepInput) -> tuple[Any, Step
         # keep_best ranks a step by its own eval only: an older eval would misjudge it
         ranked = loop.progress.last_eval if loop.progress.last_eval_step == step else {}
         t0 = time.perf_counter()
+        watch.phase("checkpoint")
         loop.ckpt.save(step, state, inp.data_state, recipe.checkpoint_meta(inp.segment, inp.tokens_seen),
                        metrics=ranked or None)
         loop.save_block_s.append(time.perf_counter() - t0)  # the async save's cost to the loop
+        watch.saved(step, loop.save_block_s[-1], time.time())
+    watch.phase("step")
     return state, nxt, stopping
 
 
 def _evaluate(loop: _Loop, step: int, state: Any, inp: StepInput) -> None:
-    values = loop.recipe.evaluate(state, inp.segment, inp.controls)
+    name = inp.segment.name
+    loop.watch.phase("eval")
+    with loop.watch.paused(f"first evaluation of {name} (compiling)") if name not in loop.evaluated else \
+            contextlib.nullcontext():
+        values = loop.recipe.evaluate(state, inp.segment, inp.controls)
+    loop.evaluated.add(name)
     if values:
         loop.progress.eval(step, values)
     elif inp.segment.name not in loop.warned_no_eval:

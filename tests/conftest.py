@@ -88,7 +88,7 @@ def _drop_executables():
 # started last would end the run on one worker while the other idles. The rest keep pytest's order after these.
 LONGEST_FIRST = ("test_rl.py", "test_context_parallel.py", "test_preference_recipes.py", "test_resilience.py",
                  "test_pipeline.py", "test_multiprocess.py", "test_slurm.py", "test_data_prep_executors.py", "test_sharding.py",
-                 "test_generate.py", "test_lora.py", "test_sft.py")
+                 "test_generate.py", "test_lora.py", "test_sft.py", "test_prometheus_e2e.py")
 
 
 def pytest_collection_modifyitems(config, items):

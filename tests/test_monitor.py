@@ -171,7 +171,8 @@ def test_a_taken_prometheus_port_is_one_clear_line(tmp_path):
 
 
 def test_the_exporter_lingers_after_close_so_the_last_step_is_scraped():
-    sink = exporter.PrometheusSink(port=0, run="r", process=0, linger_s=1.0)
+    sink = exporter.PrometheusSink(port=0, run="r", process=0, steps_done=7, linger_s=1.0)
+    assert 'training_steps_total{process="0",run="r"} 7.0' in _scrape(sink.port)  # resumed after step 7
     sink.write(9, {"train/loss": 1.5}, "general")
     closer = threading.Thread(target=sink.close)
     start = time.monotonic()

@@ -324,7 +324,9 @@ def test_slurm_batch_script_runs_train_under_srun(tmp_path):
     assert argv[i - 2:i] == [os.path.join(ROOT, ".venv/bin/python"), "-u"]
     assert argv[i + 1:] == ["glm46_jax.train", "--config=configs/pretrain.py:small",
                             f"--config.run_dir={tmp_path / 'run'}", "--config.data.root=/data/corpus",
-                            "--config.train.steps=5"]
+                            # the launcher's metrics defaults come before the user's flags, which win
+                            "--config.monitor.prometheus_port=9400",
+                            "--config.monitor.sinks=jsonl,tensorboard,prometheus", "--config.train.steps=5"]
     assert (tmp_path / "run").is_dir()
     assert not (tmp_path / "scontrol.log").exists()  # the run did not say it stopped early: no requeue
     env["GPUS_PER_TASK"] = "0"  # one task per node: no GPU binding

@@ -19,12 +19,12 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 
-from absl import logging
 import prometheus_client
+from absl import logging
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-# No `<histogram>_created` gauges: they only say when this process started, which process_start_time says better.
+# No `<histogram>_created` gauges: they only say when the process started, and no dashboard or rule reads them.
 prometheus_client.disable_created_metrics()
 
 # Step and save times span milliseconds (a tiny model on CPU) to minutes (a 355B step on a slow fabric).
@@ -57,15 +57,16 @@ _EVAL_CE = re.compile(r"eval/(?:(.+)/)?ce$")
 
 class PrometheusSink:
     """Serves the latest record on `port` (0: a free port, `self.port` says which) with labels run, process.
-    `balance=False` leaves out the per-layer expert balance (every process computes the same figures: process 0
+    `steps_done`: where training_steps_total starts (a resumed run's checkpoint step). `balance=False` leaves out the per-layer expert balance (every process computes the same figures: process 0
     exports them)."""
 
-    def __init__(self, *, port: int, run: str, process: int, linger_s: float = 0.0, balance: bool = True):
+    def __init__(self, *, port: int, run: str, process: int, steps_done: int = 0, linger_s: float = 0.0,
+                 balance: bool = True):
         self.labels = {"run": run, "process": str(process)}
         self.linger_s, self.balance = linger_s, balance
         self._lock = threading.Lock()
         self._phase = ""
-        self._steps = self._skipped = 0.0
+        self._steps, self._skipped = float(steps_done), 0.0  # a resumed run counts on from its checkpoint
         self._gauges: dict[str, float] = {}  # metric name -> value, of the current phase
         self._process: dict[str, float] = {}  # label-less (run, process only) gauges
         self._straggler: tuple[str, float] | None = None  # (slowest process, ratio)
@@ -129,7 +130,7 @@ class PrometheusSink:
                                           "was not finite or spiked.", labels=names)
             skipped.add_metric(values, self._skipped)
             yield from (steps, skipped)
-            for key, (name, doc) in _STEP_GAUGES.items():
+            for name, doc in _STEP_GAUGES.values():
                 if name in self._gauges:
                     yield self._gauge(name, doc, {"phase": self._phase}, self._gauges[name])
             for name, value in self._process.items():

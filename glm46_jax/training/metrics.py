@@ -8,8 +8,6 @@ is `peak_flops` (datasheet) where the chip is known, else `measure_matmul_peak` 
 from __future__ import annotations
 
 import functools
-import math
-import os
 import resource
 import sys
 import time

@@ -19,7 +19,7 @@ import json
 import os
 import resource
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -64,8 +64,9 @@ class MonitorConfig:
         return [s.strip() for s in self.sinks.split(",") if s.strip()]
 
 
-def open_writer(cfg: MonitorConfig, run_dir: str, *, append: bool) -> sinks_lib.MetricWriter:
-    """The run's `MetricWriter`: the configured sinks this process writes to."""
+def open_writer(cfg: MonitorConfig, run_dir: str, *, append: bool, steps_done: int = 0) -> sinks_lib.MetricWriter:
+    """The run's `MetricWriter`: the configured sinks this process writes to. `steps_done`: the steps a resumed
+    run had completed (where its step counter starts)."""
     process, names = jax.process_index(), cfg.sink_names
     run = cfg.run_name or os.path.basename(os.path.normpath(run_dir))
     out: list[sinks_lib.Sink] = []
@@ -81,7 +82,7 @@ def open_writer(cfg: MonitorConfig, run_dir: str, *, append: bool) -> sinks_lib.
 
         port = cfg.prometheus_port + process if cfg.prometheus_port else 0
         try:
-            out.append(exporter.PrometheusSink(port=port, run=run, process=process,
+            out.append(exporter.PrometheusSink(port=port, run=run, process=process, steps_done=steps_done,
                                                linger_s=cfg.prometheus_linger_s, balance=process == 0))
         except OSError as e:  # the port is taken: one line, not a traceback from the HTTP server
             raise InputError(f"monitor.prometheus_port={cfg.prometheus_port}: process {process} cannot serve "
@@ -241,6 +242,11 @@ class Watch:
 
     def saved(self, step: int, block_s: float, at: float) -> None:
         self._pending.update({"checkpoint/step": float(step), "checkpoint/save_s": block_s, "checkpoint/saved_at": at})
+
+    def pending(self) -> dict[str, float]:
+        """The last save's and exchange's scalars not yet in a record (taken: the next call gives {})."""
+        out, self._pending = self._pending, {}
+        return out
 
     def record(self) -> dict[str, float]:
         out = {**self._pending, **memory_scalars(self.devices)}

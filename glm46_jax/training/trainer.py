@@ -278,7 +278,7 @@ class Progress:
 
     def __init__(self, run_dir: str, cfg: monitor.MonitorConfig, *, total: int, start_step: int, append: bool):
         self.is_main = jax.process_index() == 0
-        self.writer = monitor.open_writer(cfg, run_dir, append=append)
+        self.writer = monitor.open_writer(cfg, run_dir, append=append, steps_done=start_step - 1)
         self.bar = tqdm(total=total, initial=start_step - 1, disable=not self.is_main, desc="train")
         self.history: collections.deque = collections.deque(maxlen=_END_WINDOW)  # device metrics, read at the end
         self.first: dict[str, float] = {}
@@ -349,6 +349,8 @@ def fit(recipe: Recipe, state: Any, ckpt: checkpoint.Checkpointer, cfg: TrainCon
             if stopping:
                 logging.warning("%s: saved step %d and stopping", stop.requested, step)
                 break
+        if final := watch.pending():  # the last save comes after the last record: it gets one of its own
+            progress.writer.write(step, final, progress.segments[-1] if progress.segments else "")
     return state, _summary(loop, step)
 
 
@@ -367,10 +369,9 @@ def _step(loop: _Loop, step: int, state: Any, inp: StepInput) -> tuple[Any, Step
         nxt = None if last else recipe.next_input(state, loop.bad.max_loss)  # prepared while the step runs
         t1 = time.perf_counter()
         loss, in_a_row = jax.device_get((step_metrics["loss"], step_metrics["nonfinite_in_a_row"]))
-        t2 = time.perf_counter()
     watch.data_wait(t1 - t0)
     state = loop.bad.after(step, state, float(loss), int(in_a_row))
-    watch.step_done(step, host_s=t1 - started)  # the host's part: all but waiting for the devices (t1..t2)
+    watch.step_done(step, host_s=t1 - started)  # the host's part: all but the wait for the devices (device_get)
     tokens = inp.batch["inputs"].size
     flops_per_token = recipe.flops_per_token(inp.segment)
     loop.timer.step_done(step, started, flops_per_token * tokens)

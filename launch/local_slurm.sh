@@ -63,6 +63,11 @@ TaskPlugin=task/affinity
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+# Look for startable jobs every 5 s, not every 60 / 30: a requeued job starts soon after its credential expires.
+SchedulerParameters=sched_interval=5,bf_interval=5
+# 30 s, not 10: a kill that slurmd answers late (a task that outlives KillWait) is not retried against the requeued
+# job's new step of the same id.
+MessageTimeout=30
 MpiDefault=none
 SwitchType=switch/none
 AccountingStorageType=accounting_storage/none

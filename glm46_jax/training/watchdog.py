@@ -2,10 +2,14 @@
 
 A run stuck in a collective (a dead link, a process that hangs) otherwise waits until the job's time limit. A
 daemon thread checks how long ago the last step completed; past `max(factor x median step time, floor)` it
+  * writes run_dir/status.json {"state": "hung", "step", "phase", "process", ...} (the Slurm launcher requeues
+    such a run a bounded number of times: launch/slurm_pretrain.sbatch). Any process that fires writes it: the
+    first to exit makes srun end the others, which may then die in a failed collective before their own
+    watchdog fires;
   * writes every thread's Python stack (faulthandler) to stderr and to run_dir/hang/process_<i>.txt,
-  * on process 0 writes run_dir/status.json {"state": "hung", "step", "phase", ...} (the Slurm launcher requeues
-    such a run a bounded number of times: launch/slurm_pretrain.sbatch),
-  * with `exit` ends the process with EXIT_CODE: the main thread may be blocked where no exception reaches it.
+  * with `exit` ends the process with EXIT_CODE after `exit_grace_s`: the main thread may be blocked where no
+    exception reaches it, and the grace lets the other processes' watchdogs (which fire within a poll or two:
+    they stopped seeing steps at the same time) dump their stacks before srun ends them.
 Compiling is not a hang: while `paused` (the trainer wraps each compile in it) the clock does not run, and it
 restarts when the pause ends. Median, not mean: one slow step (an evaluation, a save) does not move it.
 """
@@ -37,6 +41,7 @@ class Watchdog:
         self.run_dir, self.factor, self.floor_s, self.exit = run_dir, factor, floor_s, exit
         self.process, self.total_steps = process, total_steps
         self.poll_s = poll_s or min(5.0, max(0.1, floor_s / 10))
+        self.exit_grace_s = max(5.0, 3 * self.poll_s)
         self._intervals: collections.deque[float] = collections.deque(maxlen=window)
         self._lock = threading.Lock()
         self._last: float | None = None  # when the clock (re)started; None = not armed yet
@@ -91,6 +96,9 @@ class Watchdog:
             step, phase = self._step, self._phase
         reason = (f"no step completed for {waited:.0f} s (deadline {deadline:.0f} s = max({self.factor:g} x median "
                   f"step time, {self.floor_s:g} s)) after step {step}, while in phase {phase!r}")
+        atomic.write_json(os.path.join(self.run_dir, "status.json"), {
+            "state": "hung", "step": step, "phase": phase, "process": self.process, "waited_s": round(waited, 1),
+            "deadline_s": round(deadline, 1), "total_steps": self.total_steps, "reason": reason})
         logging.error("process %d: the run looks hung: %s; every thread's stack follows", self.process, reason)
         print(f"process {self.process}: hung: {reason}", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
@@ -99,11 +107,8 @@ class Watchdog:
             f.write(f"process {self.process}: {reason}\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
-        if self.process == 0:
-            atomic.write_json(os.path.join(self.run_dir, "status.json"), {
-                "state": "hung", "step": step, "phase": phase, "waited_s": round(waited, 1),
-                "deadline_s": round(deadline, 1), "total_steps": self.total_steps, "reason": reason})
         if self.exit:
+            time.sleep(self.exit_grace_s)
             sys.stderr.flush()
             os._exit(EXIT_CODE)  # the main thread is stuck where no exception reaches it
 

@@ -23,7 +23,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from absl import logging
 
@@ -37,9 +37,10 @@ class Watchdog:
     does next (for the report). `close()` stops the thread."""
 
     def __init__(self, run_dir: str, *, factor: float, floor_s: float, exit: bool, process: int,
-                 total_steps: int, poll_s: float | None = None, window: int = 50):
+                 total_steps: int, poll_s: float | None = None, window: int = 50,
+                 clock: Callable[[], float] = time.monotonic):
         self.run_dir, self.factor, self.floor_s, self.exit = run_dir, factor, floor_s, exit
-        self.process, self.total_steps = process, total_steps
+        self.process, self.total_steps, self.clock = process, total_steps, clock
         self.poll_s = poll_s or min(5.0, max(0.1, floor_s / 10))
         self.exit_grace_s = max(5.0, 3 * self.poll_s)
         self._intervals: collections.deque[float] = collections.deque(maxlen=window)
@@ -54,7 +55,7 @@ class Watchdog:
         self._thread.start()
 
     def step_done(self, step: int) -> None:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             if self._last is not None and self._last_was_step:
                 self._intervals.append(now - self._last)
@@ -75,7 +76,7 @@ class Watchdog:
         finally:
             with self._lock:
                 self._paused -= 1
-                self._last, self._last_was_step, self._phase = time.monotonic(), False, before
+                self._last, self._last_was_step, self._phase = self.clock(), False, before
 
     def deadline_s(self) -> float:
         with self._lock:
@@ -86,12 +87,11 @@ class Watchdog:
         while not self._stop.wait(self.poll_s):
             with self._lock:
                 armed = self._last is not None and not self._paused and not self.fired
-                waited = time.monotonic() - self._last if armed else 0.0
+                waited = self.clock() - self._last if armed else 0.0
             if armed and waited > (deadline := self.deadline_s()):
                 self._fire(waited, deadline)
 
     def _fire(self, waited: float, deadline: float) -> None:
-        self.fired = True
         with self._lock:
             step, phase = self._step, self._phase
         reason = (f"no step completed for {waited:.0f} s (deadline {deadline:.0f} s = max({self.factor:g} x median "
@@ -107,6 +107,7 @@ class Watchdog:
             f.write(f"process {self.process}: {reason}\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+        self.fired = True  # after the report: who waits for it finds it complete
         if self.exit:
             time.sleep(self.exit_grace_s)
             sys.stderr.flush()

@@ -17,8 +17,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import resource
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +27,7 @@ from jax.experimental import multihost_utils
 
 from glm46_jax.cli import InputError, check_at_least, check_choice, check_field
 from glm46_jax.training import faults as faults_lib
+from glm46_jax.training import metrics
 from glm46_jax.training import sinks as sinks_lib
 from glm46_jax.training import watchdog as watchdog_lib
 
@@ -112,7 +111,7 @@ def memory_scalars(devices: Sequence[jax.Device]) -> dict[str, float]:
     page = os.sysconf("SC_PAGE_SIZE")
     with open("/proc/self/statm") as f:  # Linux; fields are pages: size resident shared ...
         rss = int(f.read().split()[1]) * page
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    peak = metrics.device_memory_peak_bytes(devices[0])  # on CPU: the process's peak RSS
     return {"memory/host/in_use_bytes": float(rss), "memory/host/peak_bytes": float(max(peak, rss)),
             "memory/host/limit_bytes": float(os.sysconf("SC_PHYS_PAGES") * page)}
 

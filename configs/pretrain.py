@@ -1,4 +1,4 @@
-"""Pre-training configs: `get_config("<preset>")` for tiny | small | glm45_air | glm45 | glm46.
+"""Pre-training configs: `get_config("<preset>")` for tiny | serve | small | glm45_air | glm45 | glm46.
 
     python -m glm46_jax.train --config=configs/pretrain.py:tiny
     python -m glm46_jax.train --config=configs/pretrain.py:tiny --config.train.steps=10 --config.run_dir=/tmp/r
@@ -112,6 +112,9 @@ _PRESETS = {
                   mesh=_GLM45_MESH,
                   data=dict(phases=_glm45_phases())),
 }
+
+# The serving tests' model (docs/serving.md#the-serve-preset) trains like tiny, on the same corpus.
+_PRESETS["serve"] = _PRESETS["tiny"]
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:

@@ -210,8 +210,16 @@ TINY = GLM45.replace(
     n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, rope_theta=10_000.0,
     max_position_embeddings=2048, pad_token_id=0, eos_token_id=(1,))
 
+# The serving engines' CPU test size (docs/serving.md#the-serve-preset): tiny's vocabulary and routing, with a head_dim
+# vLLM's CPU attention accepts (16 is refused) and every quantized matrix a multiple of 128 on both sides, so the
+# FP8 128x128 blocks and W4A16's groups of 128 tile it exactly; no input side is a single block (compressed-tensors
+# 0.17 reads a [n, 1] block scale as per-channel).
+SERVE = TINY.replace(
+    hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
 PRESETS: dict[str, ModelConfig] = {
-    "glm45": GLM45, "glm46": GLM46, "glm45_air": GLM45_AIR, "small": SMALL, "tiny": TINY}
+    "glm45": GLM45, "glm46": GLM46, "glm45_air": GLM45_AIR, "small": SMALL, "tiny": TINY, "serve": SERVE}
 
 
 def get_preset(name: str) -> ModelConfig:

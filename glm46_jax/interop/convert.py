@@ -3,6 +3,7 @@
     python -m glm46_jax.convert ckpt-to-hf --run-dir runs/tiny --out export/tiny [--step 200] [--dtype float32]
     python -m glm46_jax.convert hf-to-ckpt --hf-dir path/to/GLM-4.6 --out runs/glm46-init [--step 0]
     python -m glm46_jax.convert lora-to-peft --run-dir runs/sft_tiny --out export/tiny-lora   # PEFT adapters
+    python -m glm46_jax.convert quantize --hf-dir export/tiny --out export/tiny-fp8 --scheme fp8_block
 
 ckpt-to-hf writes a directory that transformers, vLLM and SGLang load: config.json, safetensors shards (+ index)
 in the released GLM layout (per-expert tensors, fp32 correction biases, the MTP layer as layer
@@ -74,6 +75,11 @@ def _parser() -> argparse.ArgumentParser:
     lo.add_argument("--out", required=True, help="the adapter directory to write")
     lo.add_argument("--base-name", help="adapter_config.json's base_model_name_or_path (default: the run's init_from)")
     lo.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    q = sub.add_parser("quantize", help="an export -> FP8 / W4A16 compressed-tensors export (docs/serving.md)")
+    q.add_argument("--hf-dir", required=True, help="a directory `ckpt-to-hf` wrote (bf16 or float32)")
+    q.add_argument("--out", required=True, help="the quantized directory to write")
+    q.add_argument("--scheme", required=True, help="fp8_dynamic | fp8_block | w4a16 (glm46_jax/interop/quantize.py)")
+    q.add_argument("--force", action="store_true", help="replace a non-empty --out")
     return p
 
 
@@ -335,6 +341,10 @@ def main(argv: list[str] | None = None) -> str:
         shard = cli.parse_bytes(args.max_shard_size, "--max-shard-size")
         return ckpt_to_hf(args.run_dir, args.out, step=args.step, dtype=args.dtype, tokenizer=args.tokenizer,
                           max_shard_bytes=shard, mtp_copies=not args.no_mtp_copies, force=args.force)
+    if args.command == "quantize":
+        from glm46_jax.interop import quantize
+
+        return quantize.quantize_export(args.hf_dir, args.out, args.scheme, force=args.force)
     if args.command == "lora-to-peft":
         return lora_to_peft(args.run_dir, args.out, step=args.step, base_name=args.base_name, force=args.force)
     return hf_to_ckpt(args.hf_dir, args.out, step=args.step, force=args.force)

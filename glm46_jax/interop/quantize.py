@@ -25,6 +25,7 @@ reader. The math is ours (a few NumPy lines) because llm-compressor's pins confl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -186,20 +187,25 @@ def _quantized_shards(hf_dir: str, files: list[str], scheme: str) -> Iterator[tu
         yield fname, out
 
 
-def quantize_export(hf_dir: str, out: str, scheme: str, *, force: bool = False) -> str:
-    """Write `hf_dir` (a `ckpt-to-hf` export) quantized with `scheme` to `out`; returns `out`.
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What `write` will do, checked before anything is written: the export, its config and shards, the scheme."""
+    hf_dir: str
+    scheme: str
+    config: dict
+    files: list[str]
+    targets: int
 
-    Every shape is checked before anything is written, and `out` appears only once complete.
-    """
-    from glm46_jax.interop.convert import _staged  # the directory-level atomic write every export uses
 
+def plan(hf_dir: str, scheme: str) -> Plan:
+    """Check that `hf_dir` is a `ckpt-to-hf` export whose every targeted Linear fits `scheme` (shapes only)."""
     if scheme not in SCHEMES:
         raise InputError(f"--scheme {scheme!r}: unknown; choose one of {list(SCHEMES)}")
     hf_dir = os.path.abspath(hf_dir)
     config = _check_export(hf_dir)
     files = _shards(hf_dir)
     targets = 0
-    for fname in files:  # shapes only: fail before the first byte is written
+    for fname in files:
         with safe_open(os.path.join(hf_dir, fname), framework="numpy") as f:
             for name in f.keys():  # noqa: SIM118
                 if _TARGET.match(name):
@@ -209,21 +215,23 @@ def quantize_export(hf_dir: str, out: str, scheme: str, *, force: bool = False) 
     if not targets:
         raise InputError(f"{hf_dir}: no decoder-layer Linear weights (model.layers.N.self_attn.q_proj.weight, ...); "
                          "pass an export of `convert ckpt-to-hf`")
+    return Plan(hf_dir, scheme, config, files, targets)
+
+
+def write(p: Plan, out_dir: str) -> None:
+    """Write the quantized export into `out_dir` (convert.py stages it: the directory appears only once complete)."""
     weight_map: dict[str, str] = {}
-    with _staged(out, force, hf_dir) as tmp:
-        for fname, tensors in _quantized_shards(hf_dir, files, scheme):
-            save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
-            weight_map.update({k: fname for k in tensors})
-        if len(files) > 1:
-            total = sum(os.path.getsize(os.path.join(tmp, f)) for f in files)
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump({**config, "quantization_config": quantization_config(scheme)}, f, indent=2)
-        for name in sorted(os.listdir(hf_dir)):  # tokenizer, generation config, chat template, a reward head
-            if name not in ("config.json", "model.safetensors.index.json") and name not in files:
-                src = os.path.join(hf_dir, name)
-                if os.path.isfile(src):
-                    shutil.copyfile(src, os.path.join(tmp, name))
-    print(f"quantized {hf_dir} -> {os.path.abspath(out)} ({scheme}: {targets} Linear weights)")
-    return os.path.abspath(out)
+    for fname, tensors in _quantized_shards(p.hf_dir, p.files, p.scheme):
+        save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in tensors})
+    if len(p.files) > 1:
+        total = sum(os.path.getsize(os.path.join(out_dir, f)) for f in p.files)
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump({**p.config, "quantization_config": quantization_config(p.scheme)}, f, indent=2)
+    for name in sorted(os.listdir(p.hf_dir)):  # tokenizer, generation config, chat template, a reward head
+        if name not in ("config.json", "model.safetensors.index.json") and name not in p.files:
+            src = os.path.join(p.hf_dir, name)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(out_dir, name))

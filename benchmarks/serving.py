@@ -42,7 +42,7 @@ def _post(port: int, body: dict) -> dict:
 def _metric(port: int, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
         text = r.read().decode()
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
 
 
 def run(export: str, mtp: bool, args: argparse.Namespace) -> dict:

@@ -37,8 +37,7 @@ from flax import nnx
 from glm46_jax import cli
 from glm46_jax.cli import InputError
 from glm46_jax.config import ModelConfig, model_config_from_dict
-from glm46_jax.interop import chat
-from glm46_jax.interop import hf, reward
+from glm46_jax.interop import chat, hf, reward
 from glm46_jax.model import ExpertBias, abstract_model
 from glm46_jax.model.transformer import MTPLayer
 from glm46_jax.parallel import sharding

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from glm46_jax.interop import quantize as qz
+from tests.safetensors_file import read_safetensors
 from tests.serving.conftest import SCHEMES, sizes
 from tests.serving.vllm_server import ServerExited, serve
-from tests.safetensors_file import read_safetensors
 
 MODULES = 69  # 2 layers + MTP: 7 dense-layer, 31 MoE-layer and 31 MTP-block Linears (4 attention, 8x3 experts, 3 shared)
 # Held-out CE (nats) may rise by at most this much over the bf16 export's. FP8-E4M3 keeps 3 mantissa bits (relative
@@ -48,8 +48,8 @@ def test_compressed_tensors_reads_our_values_and_would_write_them_bit_for_bit(sc
 
 def test_transformers_cannot_dequantize_fp8_block_experts(hf_views):
     """transformers 5.19's DecompressExperts multiplies each expert's FP8 weight by its scale elementwise, which a
-    per-channel [out, 1] scale broadcasts and a [out/128, in/128] block scale does not (docs/serving.md#quantized-
-    exports). When a release fixes it this fails, and fp8_block joins the exact check below. Its CE is then computed
+    per-channel [out, 1] scale broadcasts and a [out/128, in/128] block scale does not
+    (docs/serving.md#quantized-exports). When a release fixes it this fails, and fp8_block joins the exact check below. Its CE is then computed
     from compressed-tensors' decompression in the bf16 model (tests/serving/hf_check.py)."""
     assert "automatic conversion of the weights" in str(hf_views["fp8_block"]["transformers_error"])
     assert all("transformers_error" not in hf_views[s] for s in ("bf16", "fp8_dynamic", "w4a16"))

@@ -47,7 +47,7 @@ class Server:
         """The sum of a Prometheus counter's series on /metrics."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as r:
             text = r.read().decode()
-        values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+        values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)]
         assert values, f"{name} not on /metrics"
         return sum(values)
 

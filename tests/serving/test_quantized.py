@@ -20,6 +20,10 @@ MODULES = 69  # 2 layers + MTP: 7 dense-layer, 31 MoE-layer and 31 MTP-block Lin
 # rounding error <= 2^-4, about 2^-6 on average); int4 in groups of 128 has 16 levels (error <= half a step, ~1/15 of
 # the group's max). Measured on this model: docs/serving.md#quantized-exports; the margins leave 3x or more of room.
 CE_MARGIN = {"fp8_dynamic": 0.02, "fp8_block": 0.02, "w4a16": 0.1}
+# Logits: RMS of (quantized - bf16) over RMS of bf16's. One E4M3 weight is off by at most 2^-4 of itself, so the
+# logits' relative error stays under that (measured ~0.015-0.02); an int4 weight by up to half a step, 1/15 of its
+# group's max (measured ~0.04).
+LOGIT_TOLERANCE = {"fp8_dynamic": 2.0**-4, "fp8_block": 2.0**-4, "w4a16": 0.15}
 
 
 def _stored(export: str) -> dict[str, np.ndarray]:
@@ -85,7 +89,7 @@ def test_transformers_dequantizes_to_our_numpy_reference_exactly(scheme, models,
         np.testing.assert_array_equal(view[f"param:{name}"], base[f"param:{name}"], err_msg=name)
 
 
-def test_held_out_ce_per_format_stays_within_its_margin_of_bf16(models, hf_views):
+def test_held_out_ce_and_logits_per_format_stay_within_their_margins_of_bf16(models, hf_views):
     base = float(hf_views["bf16"]["ce"])
     report = {"bf16": base}
     for scheme in SCHEMES:
@@ -93,6 +97,9 @@ def test_held_out_ce_per_format_stays_within_its_margin_of_bf16(models, hf_views
         report[scheme] = ce
         assert abs(ce - base) <= CE_MARGIN[scheme], (scheme, ce, base)
         logits, ref = hf_views[scheme]["logits"], hf_views["bf16"]["logits"]
+        relative = float(np.sqrt(np.mean((logits - ref) ** 2)) / np.sqrt(np.mean(ref**2)))
+        assert relative <= LOGIT_TOLERANCE[scheme], (scheme, relative)
+        report[f"{scheme} logit error"] = relative
         # Same argmax on most positions: the quantized model predicts like the one it came from.
         agree = float((logits.argmax(-1) == ref.argmax(-1)).mean())
         assert agree >= (0.9 if scheme.startswith("fp8") else 0.75), (scheme, agree)

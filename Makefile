@@ -89,7 +89,9 @@ PYTHON_SERVING ?=
 
 serving-venv: $(SERVING_VENV)/.installed
 
-$(SERVING_VENV)/.installed: $(SERVING_REQS)
+# No prerequisite: the directory's name is the requirements' hash, so changed pins name a new venv, while a fresh
+# clone's newer file timestamps must not rebuild the shared one.
+$(SERVING_VENV)/.installed:
 	@py="$(PYTHON_SERVING)"; \
 	if [ -z "$$py" ]; then py="$$(.ci/find_python.sh 3.11 3.11 PYTHON_SERVING)"; fi; \
 	echo "creating $(SERVING_VENV) with $$py ($$("$$py" -V 2>&1))"; \

@@ -102,7 +102,7 @@ $(SERVING_VENV)/.installed:
 	$(SERVING_VENV)/bin/python -c 'import vllm, torch; print("$(SERVING_VENV): vllm", vllm.__version__, "torch", torch.__version__)'
 	@touch $@
 
-# One worker: the vLLM servers take both cores.
+# One process, no xdist: the session fixture trains the serve model once, and the vLLM servers use both cores.
 test-serving: $(VENV)/.installed $(SERVING_VENV)/.installed
 	@TIMEFORMAT='serving time: %1Rs'; time GLM46_SERVING_VENV=$(SERVING_VENV) $(PY) -m pytest -q tests/serving \
 	  $(PYTEST_ARGS)

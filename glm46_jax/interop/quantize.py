@@ -54,7 +54,7 @@ _IGNORE = ["lm_head", "re:.*mlp\\.gate$", "re:.*eh_proj$", "re:.*shared_head\\.h
 
 def _scale(amax: np.ndarray, q_range: float) -> np.ndarray:
     scale = (amax / np.float32(q_range / 2)).astype(np.float32)
-    return np.where(scale == 0, np.finfo(np.float32).eps, scale).astype(np.float32)
+    return np.where(scale == 0, np.float32(np.finfo(np.float32).eps), scale)
 
 
 def _blocks(w: np.ndarray, rows: int, cols: int) -> np.ndarray:

@@ -51,7 +51,9 @@ def _load_decompressed(model, view: dict[str, np.ndarray]) -> None:
     down_proj [E, D, F]); the MTP layer's, which transformers does not build, are left out."""
     state = model.state_dict()
     for key, weight in view.items():
-        module = key.split(":", 1)[1]
+        kind_of_entry, _, module = key.partition(":")
+        if kind_of_entry != "decompressed":
+            continue
         w = torch.from_numpy(weight)
         expert = re.match(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj$", module)
         if expert and f"{expert.group(1)}.down_proj" in state:
@@ -61,9 +63,7 @@ def _load_decompressed(model, view: dict[str, np.ndarray]) -> None:
             else:
                 f = w.shape[0]
                 state[f"{prefix}.gate_up_proj"][e][(0 if kind == "gate" else f):][:f].copy_(w)
-        elif expert:
-            continue  # the MTP layer's
-        elif f"{module}.weight" in state:
+        elif f"{module}.weight" in state:  # (the MTP layer's modules are in neither)
             state[f"{module}.weight"].copy_(w)
 
 
@@ -82,7 +82,7 @@ def check(hf_dir: str, tokens: torch.Tensor, source: str | None) -> dict[str, np
     with open(os.path.join(hf_dir, "config.json")) as f:
         quantized = "quantization_config" in json.load(f)
     kw = {"quantization_config": CompressedTensorsConfig(dequantize=True)} if quantized else {}
-    result = {}
+    result = compressed_tensors_view(hf_dir, source) if quantized else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **kw).eval()
     except RuntimeError as e:
@@ -92,14 +92,12 @@ def check(hf_dir: str, tokens: torch.Tensor, source: str | None) -> dict[str, np
         # weights, decompressed by compressed-tensors, in the source export's model.
         result["transformers_error"] = np.array(str(e))
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-        _load_decompressed(model, compressed_tensors_view(hf_dir, None))
+        _load_decompressed(model, result)
     with torch.no_grad():
         logits = model(tokens).logits.float()
     ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
     result.update({"logits": logits.numpy(), "ce": np.float64(ce.item())})
     result.update({f"param:{k}": v.detach().float().numpy() for k, v in model.state_dict().items()})
-    if quantized:
-        result.update(compressed_tensors_view(hf_dir, source))
     return result
 
 

@@ -20,6 +20,7 @@ _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "blockwise")
 _REMAT = ("none", "full", "save_matmuls")
 _MOE_DISPATCH = ("allgather", "alltoall")
+_MOE_IMPLS = ("auto", "loop", "grouped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,9 @@ class ModelConfig:
     moe_block_group: int = 4
     # How tokens reach experts sharded over the `expert` mesh axis (see model/moe.py).
     moe_dispatch: str = "allgather"  # allgather | alltoall
+    # Dropless experts' implementation: auto (grouped GEMM kernels on an sm90 GPU, the block loop elsewhere),
+    # loop, grouped (docs/performance.md#dropless-experts).
+    moe_impl: str = "auto"
     remat: str = "none"  # none | full | save_matmuls
     # Layers per iteration of the scan over each layer stack (lax.scan's unroll); >= the stack's depth unrolls it
     # fully. 1 keeps compile time flat in depth (the big models); a small model on CPU runs faster unrolled, since
@@ -163,6 +167,7 @@ class ModelConfig:
         check_range("model", self, "scan_unroll", ge=1, meaning="layers per iteration of the layer scan")
         check_choice("model", self, "moe_dispatch", _MOE_DISPATCH,
                      "a ragged all-to-all needs a GPU/TPU to test on and is not in this build")
+        check_choice("model", self, "moe_impl", _MOE_IMPLS)
         check_choice("model", self, "remat", _REMAT)
         check_range("model", self, "pipeline_microbatches", ge=0, meaning="0 = as many as pipeline stages")
         check_range("model", self, "pipeline_repeats", ge=1, meaning="chunks per stage, 1 = GPipe")
@@ -242,8 +247,8 @@ def model_config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
 
 # The fields HF's config.json does not have: how the model runs, not what it computes.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "attention_impl", "attention_block_q", "attention_block_kv",
-                  "moe_capacity_factor", "moe_block_size", "moe_block_group", "moe_dispatch", "remat", "scan_unroll",
-                  "pipeline_microbatches", "pipeline_repeats")
+                  "moe_capacity_factor", "moe_block_size", "moe_block_group", "moe_dispatch", "moe_impl", "remat",
+                  "scan_unroll", "pipeline_microbatches", "pipeline_repeats")
 _HF_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUNTIME_FIELDS + ("score_head",))
 _HF_ALIASES = {"num_mtp_layers": "num_nextn_predict_layers", "num_local_experts": "n_routed_experts"}
 

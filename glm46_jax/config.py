@@ -17,7 +17,7 @@ from typing import Any
 from glm46_jax.cli import InputError, check_choice, check_field, check_known_fields, check_range
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
-_ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "blockwise")
+_ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "blockwise", "auto")
 _REMAT = ("none", "full", "save_matmuls")
 _MOE_DISPATCH = ("allgather", "alltoall")
 _MOE_IMPLS = ("auto", "loop", "grouped")
@@ -70,8 +70,10 @@ class ModelConfig:
     # --- runtime (not part of the HF config) ---------------------------------------------
     dtype: str = "float32"  # compute dtype of activations and matmuls
     param_dtype: str = "float32"  # master weights
-    # xla | dot_product (jax.nn.dot_product_attention) | cudnn | blockwise (online softmax, memory linear in
-    # sequence length, any backend: docs/long_context.md#blockwise-attention)
+    # xla | dot_product (jax.nn.dot_product_attention) | cudnn (causal flash attention, packed documents included)
+    # | blockwise (online softmax, memory linear in sequence length, any backend:
+    # docs/long_context.md#blockwise-attention) | auto (cudnn on a GPU where it compiles, else blockwise; decided
+    # when traced: docs/performance.md#attention)
     attention_impl: str = "xla"
     # blockwise block sizes (tokens per block; the default's measurement: docs/performance.md#attention)
     attention_block_q: int = 128

@@ -123,7 +123,7 @@ def validate_mesh(sizes: Mapping[str, int], cfg, global_batch: int | None = None
 
     if sizes.get("pipeline", 1) > 1:
         _validate_pipeline(cfg, sizes, global_batch)
-    if sizes.get("context", 1) > 1 and cfg.attention_impl != "blockwise":
+    if sizes.get("context", 1) > 1 and cfg.attention_impl not in ("blockwise", "auto"):  # auto: blockwise there
         raise InputError(f"model.attention_impl={cfg.attention_impl!r}: a sequence split over mesh.context="
                          f"{sizes['context']} needs attention_impl='blockwise' (queries of one shard attend to the "
                          "gathered keys by position); set --config.model.attention_impl=blockwise or mesh.context=1")

@@ -15,6 +15,7 @@ from glm46_jax.cli import InputError
 from glm46_jax.config import get_preset
 from glm46_jax.training.loss import (
     LossConfig,
+    _chunks,
     batch_norms,
     cross_entropy,
     loss_fn,
@@ -24,7 +25,7 @@ from glm46_jax.training.loss import (
     sequence_aux_loss,
     token_nll,
 )
-from glm46_jax.model import apply, init_model
+from glm46_jax.model import abstract_model, apply, init_model
 
 
 def np_nll(logits, labels):
@@ -100,6 +101,82 @@ def test_nll_and_lse_gradients_match_float64(mesh1):
     assert grad_bf16.dtype == jnp.bfloat16
     ref_bf16 = np_nll_grad(np.asarray(low, np.float32), labels, g_nll, g_lse)
     np.testing.assert_allclose(np.asarray(grad_bf16, np.float32), ref_bf16, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("axes, spec, chunk_tokens", [
+    ({"data": 1}, jax.P(), 12),  # 40 positions: 5 chunks of 8
+    ({"data": 1}, jax.P(), 3),  # no divisor of 10 rows leaves <= 3 positions: 10 chunks of 4
+    ({"data": 2, "tensor": 2, "expert": 2}, jax.P(("data", "expert"), None, "tensor"), 3),  # vocab-parallel
+    ({"data": 2, "tensor": 2, "context": 2}, jax.P("data", "context", "tensor"), 3),  # rows split over context
+])
+def test_chunked_nll_and_lse_match_float64(axes, spec, chunk_tokens):
+    """Values and d/d logits (both cotangents non-zero) against float64 when the positions are upcast a few at a
+    time, position counts not a multiple of the chunk, on one device and with the positions or the vocab sharded;
+    bf16 logits give bf16 gradients without an fp32 copy of the whole logits."""
+    logits, labels, _ = _random_case(b=4, s=10, v=34, seed=5)
+    g_nll, g_lse = np.random.default_rng(6).standard_normal((2, 4, 10)).astype(np.float32)
+    mesh = sharding.make_mesh(axes, jax.devices()[:np.prod(list(axes.values()))])
+
+    def objective(z):
+        nll, lse = nll_and_lse(z, jnp.asarray(labels), chunk_tokens)
+        return jnp.sum(nll * g_nll) + jnp.sum(lse * g_lse), (nll, lse)
+
+    with sharding.use_mesh(mesh):
+        z = jax.device_put(jnp.asarray(logits), jax.NamedSharding(mesh, spec))
+        assert _chunks(z, chunk_tokens) > 1  # the chunked path, not the one-piece one
+        grad, (nll, lse) = jax.jit(jax.grad(objective, has_aux=True))(z)
+        low = z.astype(jnp.bfloat16)
+        grad_bf16 = jax.jit(jax.grad(lambda z: objective(z)[0]))(low)
+    lse_ref = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+    np.testing.assert_allclose(np.asarray(nll), np_nll(logits, labels), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), lse_ref, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), np_nll_grad(logits, labels, g_nll, g_lse), rtol=1e-5, atol=1e-6)
+    assert grad.sharding.is_equivalent_to(z.sharding, 3) and grad_bf16.dtype == jnp.bfloat16
+    ref_bf16 = np_nll_grad(np.asarray(low, np.float32), labels, g_nll, g_lse)
+    np.testing.assert_allclose(np.asarray(grad_bf16, np.float32), ref_bf16, rtol=1e-2, atol=1e-2)
+
+
+def _avals(jaxpr):
+    """Every value a jaxpr computes, its sub-jaxprs' (loop bodies, custom VJPs, jit) included."""
+    for eqn in jaxpr.eqns:
+        yield from (v.aval for v in eqn.outvars)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from _avals(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _avals(sub)
+
+
+def test_loss_never_holds_the_logits_in_fp32(mesh1, tiny_case):
+    """With bf16 compute (a GPU's), the loss's value_and_grad computes no fp32 array as large as [tokens, vocab]:
+    the main and MTP cross-entropies upcast their logits chunk by chunk, forward and backward (traced, not run).
+    The unchunked loss does hold some, so the check can fail. Chunked, the loss terms are the unchunked ones."""
+    cfg, graphdef, params, buffers, _, _ = tiny_case
+    x = np.random.default_rng(7).integers(2, cfg.vocab_size, (2, 41)).astype(np.int32)  # 80 > hidden_size tokens
+    batch = {"inputs": jnp.asarray(x[:, :-1]), "targets": jnp.asarray(x[:, 1:])}
+    tokens = batch["targets"].size
+    low = dataclasses.replace(cfg, dtype="bfloat16")
+    low_graphdef = abstract_model(low, mesh1)[0]  # the same fp32 parameters, bf16 compute
+
+    def fp32_logit_sized(chunk_tokens):
+        loss_cfg = LossConfig(z_weight=1e-3, ce_chunk_tokens=chunk_tokens)
+        value_and_grad = jax.value_and_grad(
+            lambda p: loss_fn(p, buffers, batch, low_graphdef, low, loss_cfg, 0.3)[0])
+        return [a for a in _avals(jax.make_jaxpr(value_and_grad)(params).jaxpr)
+                if getattr(a, "dtype", None) == jnp.float32
+                and cfg.vocab_size in a.shape and np.prod(a.shape) // cfg.vocab_size >= tokens]
+
+    def metrics(chunk_tokens):
+        loss_cfg = LossConfig(z_weight=1e-3, ce_chunk_tokens=chunk_tokens)
+        return jax.jit(lambda p: loss_fn(p, buffers, batch, graphdef, cfg, loss_cfg, 0.3)[1])(params)
+
+    with sharding.use_mesh(mesh1):
+        assert fp32_logit_sized(tokens), "the check finds the unchunked loss's fp32 logits"
+        assert not fp32_logit_sized(12)
+        chunked, whole = metrics(12), metrics(tokens)
+    for key in ("ce", "mtp_ce", "z_loss", "loss"):
+        np.testing.assert_allclose(float(chunked[key]), float(whole[key]), rtol=1e-6, err_msg=key)
 
 
 def test_cross_entropy_upcasts_bf16_logits():

@@ -10,12 +10,16 @@ The vocab axis of the logits may be tensor-sharded. A gather of the label logit
 (`take_along_axis`, optax's integer-label CE) along a sharded axis is ambiguous under Explicit
 sharding, so there the label logit is picked with a one-hot mask laid out like the logits: every
 shard selects from its own slice of the vocabulary and the sum over vocab becomes one small
-all-reduce. With the vocab unsharded it is a gather. The backward is hand-written (`nll_and_lse`).
+all-reduce. With the vocab unsharded it is a gather. The backward is hand-written (`nll_and_lse`), and both
+passes run over the positions a chunk at a time (`LossConfig.ce_chunk_tokens`), upcasting only that chunk to fp32:
+the bf16 logits of a GPU step are never copied whole to fp32
+(docs/performance.md#cross-entropy-without-the-full-logits).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -43,35 +47,51 @@ def _laid_out_like(x: Array, ref: Array) -> Array:
     return x if layout.mesh.empty else jax.sharding.reshard(x, layout)
 
 
-def token_nll(logits: Float[Array, "b s v"], labels: Int[Array, "b s"]) -> Float[Array, "b s"]:
+# Positions per chunk of the cross-entropy, per device (`LossConfig.ce_chunk_tokens`): each chunk's fp32 logits and
+# softmax are its own temporaries, so nothing [tokens, vocab]-sized is ever fp32. At or under it there is no loop.
+CHUNK_TOKENS = 8192
+
+
+def token_nll(logits: Float[Array, "b s v"], labels: Int[Array, "b s"],
+              chunk_tokens: int = CHUNK_TOKENS) -> Float[Array, "b s"]:
     """-log softmax(logits)[label] per position, in fp32, without gathering along vocab."""
-    return nll_and_lse(logits, labels)[0]
+    return nll_and_lse(logits, labels, chunk_tokens)[0]
 
 
-def nll_and_lse(logits: Float[Array, "*b v"], labels: Int[Array, "*b"]
+def nll_and_lse(logits: Float[Array, "*b v"], labels: Int[Array, "*b"], chunk_tokens: int = CHUNK_TOKENS
                 ) -> tuple[Float[Array, "*b"], Float[Array, "*b"]]:
-    """(-log softmax(logits)[label], logsumexp(logits)) per position, in fp32 (the z-loss reads the lse)."""
-    return _nll_lse(logits.astype(jnp.float32), labels)
+    """(-log softmax(logits)[label], logsumexp(logits)) per position, in fp32 (the z-loss reads the lse).
+
+    The logits keep their dtype (bf16 on a GPU): at most `chunk_tokens` positions per device are upcast at a time,
+    forward and backward, and d logits come back in the logits' dtype."""
+    return _nll_lse(logits, labels, _chunks(logits, chunk_tokens))
+
+
+def _spec(x) -> tuple[jax.sharding.NamedSharding, tuple]:
+    layout = jax.typeof(x).sharding
+    return layout, tuple(layout.spec) + (None,) * (x.ndim - len(layout.spec))
+
+
+def _shards(layout, entry) -> int:
+    """How many devices split an axis laid out as `entry` of a PartitionSpec."""
+    axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+    return math.prod(layout.mesh.shape[a] for a in axes)
 
 
 def _labels_like(logits, labels):
     """`labels` on the logits' (batch, seq) layout, and whether the logits' vocab axis is split over devices."""
-    layout = jax.typeof(logits).sharding
+    layout, spec = _spec(logits)
     if layout.mesh.empty:
         return labels, False
-    spec = tuple(layout.spec) + (None,) * (logits.ndim - len(layout.spec))
-    vocab_axes = spec[-1] if isinstance(spec[-1], tuple) else (spec[-1],) if spec[-1] else ()
-    shards = math.prod(layout.mesh.shape[a] for a in vocab_axes)
-    return jax.sharding.reshard(labels, layout.update(spec=jax.P(*spec[:-1]))), shards > 1
+    return jax.sharding.reshard(labels, layout.update(spec=jax.P(*spec[:-1]))), _shards(layout, spec[-1]) > 1
 
 
 def _vocab_replicated(logits):
     """`logits` with the vocab axis typed unsharded: a no-op on the data when its mesh axes have size 1, and
     what lets `take_along_axis` type its gather in Explicit mode."""
-    layout = jax.typeof(logits).sharding
+    layout, spec = _spec(logits)
     if layout.mesh.empty:
         return logits
-    spec = tuple(layout.spec) + (None,) * (logits.ndim - len(layout.spec))
     return jax.sharding.reshard(logits, layout.update(spec=jax.P(*spec[:-1], None)))
 
 
@@ -90,30 +110,85 @@ def _label_logit(logits, labels):
     return jnp.take_along_axis(_vocab_replicated(logits), labels[..., None], axis=-1)[..., 0]
 
 
+def _chunks(logits, chunk_tokens: int) -> int:
+    """Into how many chunks the positions axis (the one before vocab) splits: the fewest that divide its length on
+    each device and leave at most `chunk_tokens` positions per device in a chunk."""
+    if logits.ndim < 2:
+        return 1
+    layout, spec = _spec(logits)
+    local = [d if layout.mesh.empty else d // _shards(layout, p) for d, p in zip(logits.shape[:-1], spec[:-1])]
+    rows, per_row = local[-1], math.prod(local[:-1])
+    return next((n for n in range(1, rows + 1) if rows % n == 0 and rows // n * per_row <= chunk_tokens), max(rows, 1))
+
+
+# Chunk k holds positions k, k + n, k + 2n, ... of the axis: splitting it as [s / n, n] keeps its device layout on the
+# major part (each device's chunk is its own slice, no collective), and indexing k along the unsharded n reads rows
+# whole. Every position is computed alone, so the chunking changes no value.
+def _split(x, n: int, axis: int):
+    return x.reshape(*x.shape[:axis], x.shape[axis] // n, n, *x.shape[axis + 1:])
+
+
+def _merge(x, axis: int):
+    return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2:])
+
+
+def _at(x, k, axis: int):
+    return jax.lax.dynamic_index_in_dim(x, k, axis, keepdims=False)
+
+
+def _chunk_fwd(logits, labels):
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return lse - _label_logit(logits, labels), lse
+
+
+def _chunk_bwd(logits, labels, lse, g_nll, g_lse):
+    softmax = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
+    return softmax * (g_nll + g_lse)[..., None] - jnp.where(_is_label(logits, labels), g_nll[..., None], 0.0)
+
+
 # A custom VJP: autodiff of lse - sum(logits * one_hot) keeps a float one-hot [b, s, vocab] as a residual and
 # leaves d logits as an elementwise expression that XLA:CPU fuses into each consumer of the lm_head's backward,
 # recomputing exp in each, once in the transposed layout the weight gradient's dot reads (a strided pass: a large
 # share of a CPU step for no FLOPs, docs/performance.md#cross-entropy-backward). Here the backward is the closed form
 #   d logits = softmax * (g_nll + g_lse) - one_hot * g_nll
-# computed once (an optimization barrier stops XLA from duplicating it into both consumers; a plain transposed
-# copy is far cheaper than a transposed exp), and the residuals are the logits (alive anyway), the labels and the
-# [b, s] lse. Equal to autodiff up to float rounding; the lm_head + loss forward and backward take a third less.
-@jax.custom_vjp
-def _nll_lse(logits, labels):
-    return _nll_lse_fwd(logits, labels)[0]
+# computed once (unchunked, an optimization barrier stops XLA from duplicating it into both consumers; a plain
+# transposed copy is far cheaper than a transposed exp; chunked, each chunk's only consumer is its write into d
+# logits), and the residuals are the logits as given (alive anyway), the labels and the [b, s] lse. Equal to
+# autodiff up to float rounding; the lm_head + loss forward and backward take a third less.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _nll_lse(logits, labels, chunks: int):
+    return _nll_lse_fwd(logits, labels, chunks)[0]
 
 
-def _nll_lse_fwd(logits, labels):
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    return (lse - _label_logit(logits, labels), lse), (logits, labels, lse)
+def _nll_lse_fwd(logits, labels, chunks: int):
+    labels, _ = _labels_like(logits, labels)
+    if chunks == 1:
+        nll, lse = _chunk_fwd(logits, labels)
+    else:
+        z, y = _split(logits, chunks, logits.ndim - 2), _split(labels, chunks, labels.ndim - 1)
+
+        def chunk(k, out):
+            return tuple(jax.lax.dynamic_update_index_in_dim(o, part, k, y.ndim - 1)
+                         for o, part in zip(out, _chunk_fwd(_at(z, k, z.ndim - 2), _at(y, k, y.ndim - 1))))
+        zeros = jnp.zeros_like(y, jnp.float32)
+        nll, lse = (_merge(o, y.ndim - 2) for o in jax.lax.fori_loop(0, chunks, chunk, (zeros, zeros)))
+    return (nll, lse), (logits, labels, lse)
 
 
-def _nll_lse_bwd(res, cotangents):
+def _nll_lse_bwd(chunks: int, res, cotangents):
     logits, labels, lse = res
-    g_nll, g_lse = cotangents
-    softmax = jnp.exp(logits - lse[..., None])
-    d_logits = softmax * (g_nll + g_lse)[..., None] - jnp.where(_is_label(logits, labels), g_nll[..., None], 0.0)
-    return jax.lax.optimization_barrier(d_logits), None
+    g_nll, g_lse = (_laid_out_like(g, lse) for g in cotangents)
+    if chunks == 1:
+        d_logits = jax.lax.optimization_barrier(_chunk_bwd(logits, labels, lse, g_nll, g_lse))
+        return d_logits.astype(logits.dtype), None
+    z = _split(logits, chunks, logits.ndim - 2)
+    rows = [_split(x, chunks, x.ndim - 1) for x in (labels, lse, g_nll, g_lse)]
+
+    def chunk(k, d_z):
+        part = _chunk_bwd(_at(z, k, z.ndim - 2), *(_at(r, k, r.ndim - 1) for r in rows))
+        return jax.lax.dynamic_update_index_in_dim(d_z, part.astype(d_z.dtype), k, z.ndim - 2)
+    return _merge(jax.lax.fori_loop(0, chunks, chunk, jnp.zeros_like(z)), z.ndim - 3), None
 
 
 _nll_lse.defvjp(_nll_lse_fwd, _nll_lse_bwd)
@@ -165,10 +240,13 @@ class LossConfig:
     aux_weight: float = 1e-4  # sequence balance loss alpha (GLM-4.5 report; Megatron-Bridge uses 1e-3)
     aux_include_mtp: bool = True  # MTP router in the aux loss (unconfirmed: docs/training.md#unconfirmed-details)
     z_weight: float = 0.0  # z-loss on the output logits (PaLM: 1e-4); GLM reports none
+    ce_chunk_tokens: int = CHUNK_TOKENS  # positions per device whose logits the cross-entropies upcast at a time
 
     def __post_init__(self):
         for f in ("mtp_weight", "mtp_weight_after", "aux_weight", "z_weight"):
             check_range("loss", self, f, ge=0, meaning="a loss weight; 0 turns the term off")
+        check_range("loss", self, "ce_chunk_tokens", ge=1,
+                    meaning="positions per device per cross-entropy chunk")
         check_range("loss", self, "mtp_boundary_tokens", ge=0, meaning="tokens before mtp_weight_after applies")
 
 
@@ -226,7 +304,7 @@ def loss_fn(params: nnx.State, buffers: nnx.State, batch: Batch, graphdef: nnx.G
     # Named for profiles: the loss terms' ops (and their backward) show up under loss/..., apart
     # from the model's forward.
     with jax.named_scope("loss"):
-        nll, lse = nll_and_lse(out.logits, targets)
+        nll, lse = nll_and_lse(out.logits, targets, loss_cfg.ce_chunk_tokens)
         ce = masked_sum(nll, mask) / jnp.maximum(norms["tokens"], 1.0)
         loss = ce
         metrics: dict[str, Any] = {"ce": ce, "tokens": mask.sum().astype(jnp.float32)}
@@ -243,7 +321,7 @@ def loss_fn(params: nnx.State, buffers: nnx.State, batch: Batch, graphdef: nnx.G
         if use_mtp:
             with jax.named_scope("mtp_loss"):
                 mtp_targets, mtp_mask = _mtp_labels(batch, mask)
-                mtp_ce = (masked_sum(token_nll(out.mtp_logits, mtp_targets), mtp_mask)
+                mtp_ce = (masked_sum(token_nll(out.mtp_logits, mtp_targets, loss_cfg.ce_chunk_tokens), mtp_mask)
                           / jnp.maximum(norms["mtp_tokens"], 1.0))
                 loss = loss + mtp_weight * mtp_ce
             metrics["mtp_ce"] = mtp_ce

@@ -11,7 +11,8 @@ import pytest
 
 from glm46_jax.parallel import sharding
 from glm46_jax.cli import InputError
-from glm46_jax.training.optim import (NS_COEFFS, OptimConfig, build_optimizer, make_schedule, param_labels)
+from glm46_jax.training.optim import (NS_COEFFS, OptimConfig, build_optimizer, make_schedule, newton_schulz,
+                                      param_labels)
 
 B1 = 0.95  # Muon momentum
 
@@ -98,6 +99,101 @@ def test_muon_per_expert_and_per_head():
     # and not the fused whole: the per-expert result differs from orthogonalising [E*in, out]
     fused = g1(gx["mtp"]["block"]["mlp"]["up_proj"].reshape(E * D, F)).reshape(E, D, F)
     assert np.abs(fused - ux["mtp"]["block"]["mlp"]["up_proj"]).max() > 1e-2
+
+
+# --- Newton-Schulz in bf16 (muon_ns_dtype) ----------------------------------------------------
+# bf16 keeps 8 significant bits and the quintic's slope 3.4 at 0 amplifies what rounding leaves in small singular
+# directions: bf16 inputs with fp32 accumulation land 1.4e-2 to 2.7e-2 (relative Frobenius, per matrix, 18 random
+# matrices from 48 x 32 to 512 x 128) from the float64 iteration (fp32: ~1.5e-6; rounding every product to bf16, as
+# optax does given bf16 input, 4.3e-2 to 6.9e-2). BF16_REL bounds it; above BF16_FLOOR proves the bf16 path ran.
+BF16_REL, BF16_FLOOR = 5e-2, 1e-3
+
+
+def _rel(got, want, axes=(-2, -1)):
+    return np.linalg.norm(got - want, axis=axes) / np.linalg.norm(want, axis=axes)
+
+
+@pytest.mark.parametrize("shape", [(48, 32), (32, 48), (3, 40, 24), (2, 2, 24, 40)])
+def test_newton_schulz_bf16_vs_float64_numpy(shape):
+    """Tall, wide, and batches of them (every leading axis is a batch axis): each matrix as float64 NumPy's."""
+    x = _rand(0, shape)
+    mats = np.asarray(x, np.float64).reshape(-1, *shape[-2:])
+    want = np.stack([ns5_np(m) for m in mats]).reshape(shape)
+    fp32 = np.asarray(newton_schulz(x, jnp.float32))
+    bf16 = np.asarray(newton_schulz(x, jnp.bfloat16))
+    assert bf16.dtype == np.float32  # fp32 out: the last iterate is never rounded
+    assert _rel(fp32, want).max() < 1e-5
+    rel = _rel(bf16, want)
+    assert BF16_FLOOR < rel.min() and rel.max() < BF16_REL, rel
+    # still the same orthogonalisation: singular values where float64 NS5 puts them
+    sv = lambda m: np.linalg.svd(m, compute_uv=False)  # noqa: E731
+    np.testing.assert_allclose(sv(bf16), sv(want), atol=BF16_REL)
+
+
+def test_muon_update_bf16_vs_fp32():
+    """Two full optimizer steps on a GLM-like tree (experts, per-head q/o, tall and wide, stacked layers): the Muon
+    leaves' updates differ from the fp32 run by bf16 rounding only, everything else (momentum, AdamW leaves, the
+    decay term) is bit-identical: the dtype touches nothing but Newton-Schulz."""
+    params = _glm_like()
+    grads = [jax.tree.map(lambda x, k=k: jnp.cos(7 * x + k), params) for k in range(2)]
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        tx, _ = build_optimizer(_cfg(muon_ns_dtype=dtype), params)
+        state, upds = tx.init(params), []
+        for g in grads:
+            u, state = jax.jit(tx.update)(g, state, params)
+            upds.append(_flat(u))
+        runs[dtype] = upds, _flat(state)
+    (u32, s32), (u16, s16) = runs["float32"], runs["bfloat16"]
+    chex.assert_trees_all_equal(s32, s16)
+    for step in range(2):
+        for path, a in u32[step].items():
+            b = u16[step][path]
+            if any(name in path for name in ADAM):
+                np.testing.assert_array_equal(b, a, err_msg=path)
+                continue
+            p = np.asarray(_flat(params)[path])
+            o32, o16 = (np.asarray(u) + 0.1 * p for u in (a, b))  # lr 1: u = -(0.2 sqrt(max) O + 0.1 p)
+            rel = np.linalg.norm(o16 - o32) / np.linalg.norm(o32)
+            assert BF16_FLOOR < rel < BF16_REL, (step, path, rel)
+
+
+def test_auto_ns_dtype_follows_the_compile_platform():
+    """"auto" is decided where the program is compiled: fp32 matmuls for a CPU, bf16 inputs with fp32 results for
+    a GPU (lowered here on the CPU host for CUDA) or TPU."""
+    import re
+
+    params = {"mlp": {"down_proj": _rand(0, (48, 32))}, "embed_tokens": _rand(1, (8, 4))}
+    tx, _ = build_optimizer(_cfg(), params, sharded=False)
+    traced = jax.jit(tx.update).trace(params, tx.init(params), params)
+    for platform, operand in (("cpu", "f32"), ("cuda", "bf16"), ("tpu", "bf16")):
+        dots = re.findall(r"stablehlo\.dot_general.*: \((tensor<[^)]*)\) -> tensor<([^>]*)>",
+                          traced.lower(lowering_platforms=(platform,)).as_text())
+        assert len(dots) == 15, (platform, len(dots))  # 5 iterations x 3 matmuls, one matrix
+        for ins, out in dots:
+            assert ins.count(f"x{operand}>") == 2 and out.endswith("xf32"), (platform, ins, out)
+
+
+def test_bf16_newton_schulz_under_explicit_sharding():
+    """Matrix axes sharded over tensor, experts over expert (Explicit mesh): the bf16 update runs (sharded_update)
+    and equals the single-device bf16 update up to the order of fp32 accumulation."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = sharding.make_mesh({"data": 2, "tensor": 2, "expert": 2})
+    params = {"moe_layers": {"mlp": {"gate_proj": _rand(0, (2, 4, 32, 16))},
+                             "self_attn": {"q_proj": _rand(1, (2, 32, 4, 8))}}}
+    specs = {"moe_layers": {"mlp": {"gate_proj": P(None, "expert", "tensor", None)},
+                            "self_attn": {"q_proj": P(None, "tensor", None, None)}}}
+    grads = jax.tree.map(lambda x: jnp.sin(3 * x), params)
+    tx, _ = build_optimizer(_cfg(muon_ns_dtype="bfloat16"), params)
+    want, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    with sharding.use_mesh(mesh):
+        put = lambda t: jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, specs)  # noqa: E731
+        sp, sg = put(params), put(grads)
+        got, _ = jax.jit(tx.update)(sg, jax.jit(tx.init)(sp), sp)
+    for path, x in _flat(got).items():
+        assert x.sharding.spec == _flat(sp)[path].sharding.spec, path
+        assert _rel(np.asarray(x), np.asarray(_flat(want)[path]), axes=None) < 1e-2, path
 
 
 # --- the split and weight decay ---------------------------------------------------------------
@@ -258,7 +354,7 @@ BAD_OPTIM_VALUES = [
     ("b2", 1.0), ("eps", 0.0), ("schedule", "linear"), ("wsd_decay_steps", -1), ("restarts", 0),
     ("muon_momentum", 1.0), ("muon_ns_steps", 0), ("muon_rms", 0.0), ("adam_weight_decay", -0.1),
     ("router_optimizer", "sgd"), ("head_optimizer", "lion"), ("layer_decay", 0.0), ("layer_decay", 1.5),
-    ("algorithm", "sgd"),
+    ("algorithm", "sgd"), ("muon_ns_dtype", "float16"),
 ]
 
 

@@ -246,6 +246,7 @@ def test_long_phase_on_context_shards_trains_and_resumes_exactly(tmp_path, sampl
 
 def test_plan_attention_memory_by_implementation_and_context():
     from glm46_jax import plan as plan_lib
+    from glm46_jax.model import attention
 
     cfg = dataclasses.replace(TINY, remat="none", num_nextn_predict_layers=0, attention_block_q=64,
                               attention_block_kv=32)
@@ -260,9 +261,11 @@ def test_plan_attention_memory_by_implementation_and_context():
 
     xla, cudnn, blockwise = est("xla"), est("cudnn"), est("blockwise")
     # Per token and layer: xla holds a row of [s, s] scores (fp32 scores and softmax, probs in a) per head;
-    # cudnn an fp32 log-sum-exp per head; blockwise that plus the fp32 dK/dV accumulators.
-    assert xla.saved_layers - cudnn.saved_layers == seq * layers * heads * (seq * (8 + a) - 4)
-    assert blockwise.saved_layers - cudnn.saved_layers == seq * layers * 2 * kv * 4
+    # cudnn an fp32 log-sum-exp per head and packed-document slot; blockwise one per head plus the fp32 dK/dV
+    # accumulators.
+    m = attention.CUDNN_MAX_SEGMENTS
+    assert xla.saved_layers - cudnn.saved_layers == seq * layers * heads * (seq * (8 + a) - 4 * m)
+    assert blockwise.saved_layers - cudnn.saved_layers == seq * layers * (2 * kv * 4 - heads * 4 * (m - 1))
     assert blockwise.recompute - cudnn.recompute == heads * 64 * 32 * (8 + a)  # one score tile per head
     # Context 4: a quarter of the tokens per device, each also holding the K/V gathered from 3 other shards.
     c4 = est("blockwise", 4)

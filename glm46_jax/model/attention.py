@@ -6,8 +6,10 @@ import einops
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention_api
 from jaxtyping import Array, Bool, Float, Int
 
+from glm46_jax.cli import InputError
 from glm46_jax.config import ModelConfig
 from glm46_jax.model.adapters import adapted
 from glm46_jax.model.blockwise_attention import blockwise_attention
@@ -28,8 +30,8 @@ def attention_mask(segment_ids: Int[Array, "b s"] | None, seq_len: int) -> Bool[
 
 @struct.dataclass
 class SequenceMask:
-    """The causal + same-document mask of `attention_mask` as what it is made of, for attention_impl="blockwise"
-    (which builds each block's mask itself and never holds [s, t]): query i sees key j iff
+    """The causal + same-document mask of `attention_mask` as what it is made of, for the attention paths that never
+    hold [s, t] (blockwise: each block's mask; cudnn: its causal mode, per packed document): query i sees key j iff
     positions[j] <= positions[i] and, with segment ids, they share a segment. `positions` index the row
     (not RoPE positions, which restart per packed document); on a mesh with a context axis > 1 the row is in
     the load-balanced layout and `positions` say where each slot came from (`sharding.load_balanced_order`)."""
@@ -37,14 +39,74 @@ class SequenceMask:
     segment_ids: Int[Array, "b s"] | None
 
 
+# cuDNN's packed layout takes at most this many documents (runs of one segment id) per row; the softmax statistics
+# it keeps for the backward are [rows * this, heads, s] fp32 (docs/performance.md#attention).
+CUDNN_MAX_SEGMENTS = 32
+
+
+def resolved_attention_impl(cfg: ModelConfig, *, context: int | None = None, platform: str | None = None,
+                            packed: bool = False) -> str:
+    """`cfg.attention_impl`, with "auto" decided for the platform traced for (`jax.default_backend()` unless given):
+    cudnn on a CUDA GPU where its flash attention takes the model's dtype, head_dim and (`packed`) segments, else
+    blockwise (any backend, the only one that splits a sequence over `context`)."""
+    if cfg.attention_impl != "auto":
+        return cfg.attention_impl
+    context = context_size() if context is None else context
+    platform = _platform() if platform is None else platform
+    return "cudnn" if context == 1 and platform == "gpu" and _cudnn_takes(cfg, packed) else "blockwise"
+
+
+def _platform() -> str:
+    return jax.default_backend()
+
+
+def _cudnn_takes(cfg: ModelConfig, packed: bool) -> bool:
+    """jax's cuDNN checks (fused_attention_stablehlo.check_layout / check_is_flash_attention), from the config:
+    bf16/fp16, head_dim a multiple of 8 up to 128 (256 from Hopper on), packed documents from Hopper on."""
+    hopper = cudnn_attention_api.check_compute_capability("9.0")
+    return (cfg.dtype in ("bfloat16", "float16") and cfg.head_dim % 8 == 0
+            and cfg.head_dim <= (256 if hopper else 128) and (hopper or not packed))
+
+
 def self_attention_mask(cfg: ModelConfig, segment_ids: Int[Array, "b s"] | None,
                         seq_len: int) -> Bool[Array, "b 1 s t"] | SequenceMask:
     """The training / scoring forward's mask in the form `cfg.attention_impl` consumes."""
-    if cfg.attention_impl == "blockwise":
+    impl = resolved_attention_impl(cfg, packed=segment_ids is not None)
+    if impl in ("blockwise", "cudnn"):
+        if impl == "cudnn" and segment_ids is not None:
+            _check_segments_fit(segment_ids)
         return SequenceMask(jnp.asarray(load_balanced_order(seq_len, context_size())), segment_ids)
     if context_size() > 1:  # sharding.validate_mesh says this to a user; this is for direct callers
         raise ValueError(f"attention_impl={cfg.attention_impl!r} cannot split a sequence over the context axis")
     return attention_mask(segment_ids, seq_len)
+
+
+def segment_layout(segment_ids: Int[Array, "b s"], max_segments: int
+                   ) -> tuple[Int[Array, "b m"], Int[Array, "b m1"], Int[Array, "b"]]:
+    """Each row's documents (runs of equal segment ids, padding's run included) in the form jax's cuDNN API takes
+    packed rows: (lengths [b, max_segments], start offsets [b, max_segments + 1], -1 past a row's last document
+    and in the last offset column; the number of documents per row). Documents past `max_segments` are left out
+    (`_check_segments_fit` refuses such rows). Runs, not ids: an id that recurs after another is a new document,
+    whereas `attention_mask` would join the two (the loaders give each document of a row its own id)."""
+    run = jnp.cumsum(jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                                      segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1), axis=1, dtype=jnp.int32) - 1
+    count = run[:, -1] + 1
+    lengths = jnp.sum(run[:, :, None] == jnp.arange(max_segments, dtype=jnp.int32), axis=1, dtype=jnp.int32)
+    present = jnp.arange(max_segments, dtype=jnp.int32) < count[:, None]
+    starts = jnp.where(present, jnp.cumsum(lengths, axis=1, dtype=jnp.int32) - lengths, -1)
+    offsets = jnp.concatenate([starts, jnp.full_like(starts[:, :1], -1)], axis=1)
+    return jnp.where(present, lengths, -1), offsets, count
+
+
+def _check_segments_fit(segment_ids: Int[Array, "b s"]) -> None:
+    """A runtime error (one host callback per forward, not per layer) when a row packs more documents than cuDNN's
+    packed layout holds: its later documents would otherwise be left out of attention silently."""
+    def check(most):
+        if int(most) > CUDNN_MAX_SEGMENTS:
+            raise InputError(f"a row packs {int(most)} documents; cuDNN attention takes at most {CUDNN_MAX_SEGMENTS} "
+                             "per row (attention.CUDNN_MAX_SEGMENTS): set --config.model.attention_impl=blockwise, "
+                             "or pack fewer documents per row")
+    jax.debug.callback(check, jnp.max(segment_layout(segment_ids, 1)[2]))
 
 
 # Laid out like the k/v activations (batch over data x expert, kv heads over tensor: `Attention._qkv`'s copies of
@@ -172,21 +234,60 @@ class Attention(nnx.Module):
             q, k, v = map(unsharded_singletons, (q, k, v))
             if not isinstance(mask, SequenceMask):
                 mask = unsharded_singletons(mask)
+        impl = resolved_attention_impl(cfg, packed=isinstance(mask, SequenceMask) and mask.segment_ids is not None)
         if isinstance(mask, SequenceMask):
-            attend = blockwise_attention if context_size() == 1 else context_parallel_attention
             pos, seg = mask.positions, mask.segment_ids
             if seg is not None and context_size() == 1:
                 seg = unsharded_singletons(whole_along(seg, 1))
-            out = attend(q, k, v, q_positions=pos, k_positions=pos, q_segment_ids=seg, k_segment_ids=seg,
-                         scale=scale, block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv)
-        elif cfg.attention_impl in ("xla", "blockwise"):  # blockwise's generation path: a dense cache mask
+            out = None
+            if impl == "cudnn":
+                try:
+                    out = cudnn_attention(q, k, v, seg, scale)
+                except (NotImplementedError, RuntimeError):  # jax's cuDNN checks refused it at trace time
+                    if cfg.attention_impl != "auto":
+                        raise
+            if out is None:
+                attend = blockwise_attention if context_size() == 1 else context_parallel_attention
+                out = attend(q, k, v, q_positions=pos, k_positions=pos, q_segment_ids=seg, k_segment_ids=seg,
+                             scale=scale, block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv)
+        elif impl in ("xla", "blockwise") or cfg.attention_impl == "auto":  # generation: a dense cache mask
             out = _xla_attention(q, k, v, mask, scale)
-        else:  # jax.nn.dot_product_attention: cuDNN flash attention on GPU when asked for
-            impl = "cudnn" if cfg.attention_impl == "cudnn" else None
-            out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=impl)
+        else:  # generation with a dense cache mask: jax.nn.dot_product_attention (cuDNN when asked for)
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale,
+                                               implementation="cudnn" if impl == "cudnn" else None)
         # Heads are tensor-sharded: the contraction is a reduce-scatter/all-reduce into the residual layout.
         return jnp.einsum("bshc,hcd->bsd", out, adapted(self, "o_proj", q.dtype),
                           out_sharding=logical("batch", "seq", "act_embed"))
+
+
+def cudnn_attention(q: Float[Array, "b s h c"], k: Float[Array, "b s k c"], v: Float[Array, "b s k c"],
+                    segment_ids: Int[Array, "b s"] | None, scale: float) -> Float[Array, "b s h c"]:
+    """cuDNN flash attention in its causal mode: no [s, t] mask or bias, so it skips the masked half.
+
+    Packed rows go through cuDNN's packed (ragged, THD-style) layout: each document is a sequence of its own,
+    given by its length and start offset within the row (`segment_layout`), causal within itself. jax's own cuDNN
+    API (what `jax.nn.dot_product_attention` calls), as the one on the GPU image that takes lengths + offsets:
+    TransformerEngine and tokamax would be extra wheels. Batch and heads may be sharded (its custom partitioning).
+    """
+    if segment_ids is None:
+        return cudnn_attention_api.dot_product_attention(q, k, v, scale=scale,
+                                                          mask_type=cudnn_attention_api.MaskType.CAUSAL)
+    q_spec, kv_spec = (jax.typeof(a).sharding.spec for a in (q, k))
+    row_spec = jax.P((tuple(q_spec) + (None,))[0], None)
+
+    def local(q, k, v, segment_ids):
+        # Each shard's own rows: jax's conversion to cuDNN's flat list of documents (`_fix_seqlen_offsets`) runs
+        # on them, and refuses explicitly sharded ones.
+        lengths, offsets, _ = segment_layout(segment_ids, CUDNN_MAX_SEGMENTS)
+        return (cudnn_attention_api.dot_product_attention(
+            q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets, scale=scale,
+            mask_type=cudnn_attention_api.MaskType.PADDING_CAUSAL),)
+
+    if jax.typeof(q).sharding.mesh.empty:
+        return local(q, k, v, segment_ids)[0]
+    segment_ids = jax.sharding.reshard(segment_ids, row_spec)
+    return shard_map(local, (q_spec, kv_spec, kv_spec, row_spec), (q_spec,), diff_argnums=(0, 1, 2))(
+        q, k, v, segment_ids)[0]
 
 
 def context_parallel_attention(q: Float[Array, "b s h c"], k: Float[Array, "b s k c"], v: Float[Array, "b s k c"], *,

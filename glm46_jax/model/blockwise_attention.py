@@ -19,6 +19,7 @@ import functools
 import einops
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 F32 = jnp.float32
@@ -141,6 +142,8 @@ def _attention(qb, kb, vb, qpos, kpos, qseg, kseg, scale):
 
 def _attention_fwd(qb, kb, vb, qpos, kpos, qseg, kseg, scale):
     out, lse = _forward(qb, kb, vb, qpos, kpos, qseg, kseg, scale)
+    # Named for the remat policies, which keep them: the backward then never re-runs this forward.
+    out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
     return out, (qb, kb, vb, qpos, kpos, qseg, kseg, out, lse)
 
 

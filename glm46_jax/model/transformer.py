@@ -52,9 +52,22 @@ def _stack(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs, axis: str = "lay
     return make(rngs)
 
 
+def _keeping_attention(policy=None):
+    """`policy`, plus the attention forward's outputs (the output and its softmax statistics), which its backward
+    reads: cuDNN's forward custom call (matched by primitive name, as jax names no value inside its rule) and
+    blockwise's named values. Otherwise the rebuilt layer re-runs the attention forward
+    (docs/performance.md#attention)."""
+    names = jax.checkpoint_policies.save_only_these_names("attention_out", "attention_lse")
+
+    def saveable(prim, *args, **params):
+        return (prim.name == "dot_product_attention_fwd_wrapper" or names(prim, *args, **params)
+                or (policy is not None and policy(prim, *args, **params)))
+    return saveable
+
+
 _REMAT_POLICIES = {
-    "full": None,  # save nothing, recompute the whole layer
-    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": _keeping_attention(),  # recompute the whole layer but its attention forward
+    "save_matmuls": _keeping_attention(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
 }
 
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from glm46_jax.config import ModelConfig
+from glm46_jax.model.attention import CUDNN_MAX_SEGMENTS, resolved_attention_impl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +68,8 @@ def activation_estimate(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_b
                  `attention_impl` (docs/long_context.md#memory):
                    xla, dot_product  [s, s] scores of ceil(nh/tp) heads: fp32 scores, fp32 softmax and
                                      probs in a, (8 + a) bytes per key
-                   cudnn             an fp32 log-sum-exp per head (flash attention)
+                   cudnn             an fp32 log-sum-exp per head and packed-document slot (flash attention;
+                                     its packed layout keeps [rows * CUDNN_MAX_SEGMENTS, heads, s])
                    blockwise         an fp32 log-sum-exp per head, the fp32 dK/dV accumulators of the
                                      backward (2 kv * 4), and with C > 1 the K/V gathered from the other
                                      shards, (C - 1) * 2 kv * a; plus per row, not per token, one score tile
@@ -80,6 +82,9 @@ def activation_estimate(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_b
       save_matmuls  layer input + outputs of matmuls without batch dims (q/k/v, o_proj, dense and
                     shared FFN gate/up/down, fp32 router logits); routed experts and attention recompute
       full          the layer input (a * H) only
+    and with both, for cudnn and blockwise, the attention output and its log-sum-exp (a * q + the
+    log-sum-exps above): the policies keep them, so the backward never re-runs the attention forward.
+    "auto" is counted as what it resolves to on the platform this runs on.
     plus, with save_matmuls / full, one layer rebuilt for its backward. The MTP layer follows the
     same policy as the trunk (saved like one more MoE layer; its rebuild is the trunk's MoE rebuild);
     its inputs take 7 a H more, the embedding output and final norm 2 a H.
@@ -103,22 +108,25 @@ def activation_estimate(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_b
     routed = _moe_buffers_per_token(cfg, mesh_sizes, a)
 
     context = mesh_sizes.get("context", 1)
-    if cfg.attention_impl == "cudnn":
-        scores = heads * 4
-    elif cfg.attention_impl == "blockwise":
-        scores = heads * 4 + 2 * kv * 4 + (context - 1) * 2 * kv * a
+    impl = resolved_attention_impl(cfg, context=context, packed=True)
+    lse = {"cudnn": heads * 4 * CUDNN_MAX_SEGMENTS, "blockwise": heads * 4}.get(impl, 0)
+    if impl == "cudnn":
+        scores = lse
+    elif impl == "blockwise":
+        scores = lse + 2 * kv * 4 + (context - 1) * 2 * kv * a
     else:
         scores = heads * seq_len * (8 + a)
     attn = a * (2 * h + 3 * (q + 2 * kv) + q + h) + scores
+    kept_attn = a * q + lse if lse else 0  # the attention output and log-sum-exp the remat policies keep
     dense = a * (2 * h + 3 * f + h)
     moe = a * (2 * h + 3 * fs + 2 * h) + 8 * e + 4 * h + routed
     if remat == "none":
         saved_dense, saved_moe = attn + dense, attn + moe
     elif remat == "save_matmuls":
-        saved_attn = a * (h + q + 2 * kv + h)
+        saved_attn = a * (h + q + 2 * kv + h) + kept_attn
         saved_dense, saved_moe = saved_attn + a * (2 * f + h), saved_attn + a * (2 * fs + h) + 4 * e
     else:
-        saved_dense = saved_moe = a * h
+        saved_dense = saved_moe = a * h + kept_attn
     n_dense, n_moe, n_mtp = cfg.num_dense_layers, cfg.num_moe_layers, cfg.num_nextn_predict_layers
     # Pipeline stages (docs/pipeline.md#memory-and-traffic): a stage keeps, for each of its R M + S - 1
     # iterations, its c layers' residuals of one micro-batch (S / M of the tokens around the trunk, which is
@@ -140,7 +148,7 @@ def activation_estimate(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_b
         moe_buffers_per_layer=routed, pipeline=stage_buffers)
     tokens = micro_batch * seq_len / context
     out = ActivationEstimate(*(math.ceil(tokens * v) for v in dataclasses.astuple(per_token)))
-    if cfg.attention_impl == "blockwise":  # the tile of the layer being computed
+    if impl == "blockwise":  # the tile of the layer being computed
         tile = micro_batch * heads * min(cfg.attention_block_q, seq_len) * min(cfg.attention_block_kv, seq_len)
         out = dataclasses.replace(out, recompute=out.recompute + tile * (8 + a))
     return out

@@ -12,6 +12,9 @@ Two layouts of the same sum_j w[t, j] * Expert_{idx[t, j]}(x[t]) (docs/sharding.
   (and, by default, on NVIDIA GPUs; docs/performance.md#dropless-experts). The loop's trip count is
   data-dependent (a while loop): XLA's cost analysis counts its body once, so tests count its FLOPs as
   body x trips (tests/test_experts.py).
+  That is the CPU's implementation (`moe_impl` "loop"). On an sm90 GPU `moe_impl` "auto" runs
+  `grouped_gemm.grouped_dropless` instead (sort once, one grouped GEMM per projection, no loop), behind the same
+  signature; "grouped" forces it anywhere (off such a GPU its GEMMs are XLA's dense `ragged_dot`).
 * **capacity** (`moe_capacity_factor > 0`; `grouped_experts`): an [E_local, C, d] buffer per expert, one batched
   einsum; assignments past an expert's capacity are dropped (earlier tokens win).
 
@@ -38,6 +41,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from glm46_jax.config import ModelConfig
+from glm46_jax.model import grouped_gemm
 from glm46_jax.parallel.sharding import cotangent_like
 
 
@@ -165,7 +169,7 @@ def local_experts(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float
     """The experts held here on these tokens, dropless or with a capacity as `cfg` says: (y, dropped count)."""
     if cfg.moe_capacity_factor <= 0:
         y = dropless_experts(x, idx, weights, w_gate_edf, w_up_edf, w_down_efd, cfg.moe_block_size, expert_offset,
-                             cfg.moe_block_group)
+                             cfg.moe_block_group, cfg.moe_impl)
         return y, jnp.zeros((), jnp.int32)
     return grouped_experts(x, idx, weights, w_gate_edf, w_up_edf, w_down_efd, expert_capacity(x.shape[0], cfg),
                            expert_offset)
@@ -219,17 +223,50 @@ def block_layout(idx: Int[Array, "n k"], num_local: int, expert_offset: Array | 
                        used=(padded_end[-1] // block).astype(jnp.int32))
 
 
+def dropless_impl(impl: str, dtype, d: int, f: int) -> str:
+    """Which dropless implementation `impl` ("auto" | "loop" | "grouped") runs for these shapes: "loop" or
+    "grouped". "auto" is grouped where its kernels run (an sm90 GPU, 16-bit compute, d and f per shard multiples
+    of 64) and the loop elsewhere, where it measures best (docs/performance.md#dropless-experts)."""
+    if impl == "auto":
+        return "grouped" if grouped_gemm.kernel_device() and grouped_gemm.kernel_supported(d, f, dtype) else "loop"
+    if impl not in ("loop", "grouped"):
+        raise ValueError(f"dropless_impl: {impl!r} is not one of auto, loop, grouped")
+    return impl
+
+
+def dropless_stats(idx: Int[Array, "n k"], num_local: int, d: int, f: int, dtype, block: int, group: int = 1,
+                   impl: str = "auto", expert_offset: Array | int = 0) -> dict[str, Array | str]:
+    """What an implementation does beyond the routed rows, for benchmarks: {"impl", "padded_rows", "trips"}.
+
+    loop: padded_rows = rows of the used blocks past the routed ones, trips = loop trips (data-dependent);
+    grouped: padded_rows = rows of the forward kernel's 128-row tiles past the routed ones, trips = 0 (no loop).
+    """
+    impl = dropless_impl(impl, dtype, d, f)
+    if impl == "grouped":
+        layout = grouped_gemm.sorted_layout(idx, num_local, expert_offset)
+        return {"impl": impl, "padded_rows": grouped_gemm.tile_padding(layout.group_sizes),
+                "trips": jnp.zeros((), jnp.int32)}
+    layout = block_layout(idx, num_local, expert_offset, block, group)
+    return {"impl": impl, "padded_rows": layout.used * block - jnp.sum(layout.local), "trips": _trips(layout, group)}
+
+
 @jax.named_scope("experts")
 def dropless_experts(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Float[Array, "n k"],
                      w_gate_edf: Array, w_up_edf: Array, w_down_efd: Array, block: int,
-                     expert_offset: Array | int = 0, group: int = 1) -> Float[Array, "n d"]:
+                     expert_offset: Array | int = 0, group: int = 1, impl: str = "auto") -> Float[Array, "n d"]:
     """Sum_j weights[:, j] * Expert_{idx[:, j]}(x) over the experts held here, every assignment computed.
 
-    The loops take `group` blocks per step, each block against its own expert's weights, as one batched matmul
-    (docs/performance.md#dropless-experts: on XLA:CPU a [block, d] x [d, f] product alone runs on one core).
-    Combined in fp32 as HF does (expert output x fp32 weight, one cast at the end); assignments to experts held
-    elsewhere contribute nothing here.
+    `impl` (`dropless_impl`) picks the grouped GEMMs (`grouped_gemm.grouped_dropless`; `block` and `group` unused)
+    or the block loop. The loops take `group` blocks per step, each block against its own expert's weights, as one
+    batched matmul (docs/performance.md#dropless-experts: on XLA:CPU a [block, d] x [d, f] product alone runs on
+    one core). Combined in fp32 as HF does (expert output x fp32 weight, one cast at the end); assignments to
+    experts held elsewhere contribute nothing here.
     """
+    if dropless_impl(impl, x.dtype, x.shape[1], w_gate_edf.shape[2]) == "grouped":
+        backend = "mosaic" if grouped_gemm.kernel_device() and grouped_gemm.kernel_supported(
+            x.shape[1], w_gate_edf.shape[2], x.dtype) else "xla"
+        return grouped_gemm.grouped_dropless(x, idx, weights, w_gate_edf, w_up_edf, w_down_efd, expert_offset,
+                                             backend)
     dt = x.dtype
     layout = block_layout(idx, w_gate_edf.shape[0], expert_offset, block, group)
     w_nk = jnp.where(layout.local, weights.astype(jnp.float32), 0)

@@ -9,7 +9,6 @@ from flax import nnx, struct
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention_api
 from jaxtyping import Array, Bool, Float, Int
 
-from glm46_jax.cli import InputError
 from glm46_jax.config import ModelConfig
 from glm46_jax.model.adapters import adapted
 from glm46_jax.model.blockwise_attention import blockwise_attention
@@ -39,8 +38,8 @@ class SequenceMask:
     segment_ids: Int[Array, "b s"] | None
 
 
-# cuDNN's packed layout takes at most this many documents (runs of one segment id) per row; the softmax statistics
-# it keeps for the backward are [rows * this, heads, s] fp32 (docs/performance.md#attention).
+# cuDNN's packed layout takes at most this many documents (runs of one segment id) per row, as a static shape; the
+# softmax statistics it keeps for the backward are [rows * this, heads, s] fp32 (docs/performance.md#attention).
 CUDNN_MAX_SEGMENTS = 32
 
 
@@ -73,8 +72,6 @@ def self_attention_mask(cfg: ModelConfig, segment_ids: Int[Array, "b s"] | None,
     """The training / scoring forward's mask in the form `cfg.attention_impl` consumes."""
     impl = resolved_attention_impl(cfg, packed=segment_ids is not None)
     if impl in ("blockwise", "cudnn"):
-        if impl == "cudnn" and segment_ids is not None:
-            _check_segments_fit(segment_ids)
         return SequenceMask(jnp.asarray(load_balanced_order(seq_len, context_size())), segment_ids)
     if context_size() > 1:  # sharding.validate_mesh says this to a user; this is for direct callers
         raise ValueError(f"attention_impl={cfg.attention_impl!r} cannot split a sequence over the context axis")
@@ -86,7 +83,7 @@ def segment_layout(segment_ids: Int[Array, "b s"], max_segments: int
     """Each row's documents (runs of equal segment ids, padding's run included) in the form jax's cuDNN API takes
     packed rows: (lengths [b, max_segments], start offsets [b, max_segments + 1], -1 past a row's last document
     and in the last offset column; the number of documents per row). Documents past `max_segments` are left out
-    (`_check_segments_fit` refuses such rows). Runs, not ids: an id that recurs after another is a new document,
+    (`cudnn_attention` makes such rows NaN). Runs, not ids: an id that recurs after another is a new document,
     whereas `attention_mask` would join the two (the loaders give each document of a row its own id)."""
     run = jnp.cumsum(jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
                                       segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1), axis=1, dtype=jnp.int32) - 1
@@ -96,17 +93,6 @@ def segment_layout(segment_ids: Int[Array, "b s"], max_segments: int
     starts = jnp.where(present, jnp.cumsum(lengths, axis=1, dtype=jnp.int32) - lengths, -1)
     offsets = jnp.concatenate([starts, jnp.full_like(starts[:, :1], -1)], axis=1)
     return jnp.where(present, lengths, -1), offsets, count
-
-
-def _check_segments_fit(segment_ids: Int[Array, "b s"]) -> None:
-    """A runtime error (one host callback per forward, not per layer) when a row packs more documents than cuDNN's
-    packed layout holds: its later documents would otherwise be left out of attention silently."""
-    def check(most):
-        if int(most) > CUDNN_MAX_SEGMENTS:
-            raise InputError(f"a row packs {int(most)} documents; cuDNN attention takes at most {CUDNN_MAX_SEGMENTS} "
-                             "per row (attention.CUDNN_MAX_SEGMENTS): set --config.model.attention_impl=blockwise, "
-                             "or pack fewer documents per row")
-    jax.debug.callback(check, jnp.max(segment_layout(segment_ids, 1)[2]))
 
 
 # Laid out like the k/v activations (batch over data x expert, kv heads over tensor: `Attention._qkv`'s copies of
@@ -268,6 +254,9 @@ def cudnn_attention(q: Float[Array, "b s h c"], k: Float[Array, "b s k c"], v: F
     given by its length and start offset within the row (`segment_layout`), causal within itself. jax's own cuDNN
     API (what `jax.nn.dot_product_attention` calls), as the one on the GPU image that takes lengths + offsets:
     TransformerEngine and tokamax would be extra wheels. Batch and heads may be sharded (its custom partitioning).
+    A row of more than CUDNN_MAX_SEGMENTS documents gets a NaN output: its later documents would otherwise be
+    left out silently, and a runtime error would cost a device->host copy every step (the loss turns NaN, which
+    the trainer's non-finite guard reports; attention_impl="blockwise" takes any number of documents).
     """
     if segment_ids is None:
         return cudnn_attention_api.dot_product_attention(q, k, v, scale=scale,
@@ -278,10 +267,11 @@ def cudnn_attention(q: Float[Array, "b s h c"], k: Float[Array, "b s k c"], v: F
     def local(q, k, v, segment_ids):
         # Each shard's own rows: jax's conversion to cuDNN's flat list of documents (`_fix_seqlen_offsets`) runs
         # on them, and refuses explicitly sharded ones.
-        lengths, offsets, _ = segment_layout(segment_ids, CUDNN_MAX_SEGMENTS)
-        return (cudnn_attention_api.dot_product_attention(
+        lengths, offsets, count = segment_layout(segment_ids, CUDNN_MAX_SEGMENTS)
+        out = cudnn_attention_api.dot_product_attention(
             q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets, scale=scale,
-            mask_type=cudnn_attention_api.MaskType.PADDING_CAUSAL),)
+            mask_type=cudnn_attention_api.MaskType.PADDING_CAUSAL)
+        return (jnp.where((count > CUDNN_MAX_SEGMENTS)[:, None, None, None], jnp.nan, out),)
 
     if jax.typeof(q).sharding.mesh.empty:
         return local(q, k, v, segment_ids)[0]

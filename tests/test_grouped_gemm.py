@@ -199,6 +199,24 @@ def test_kernels_lower_for_cuda_without_a_gpu():
     assert "stablehlo.while" not in text  # no data-dependent loop around them
 
 
+def test_moe_dispatch_on_an_sm90_gpu_runs_the_kernels(monkeypatch):
+    """model.moe_impl "auto" where the kernels run (pretended: the platform check answers yes) picks them inside
+    moe.dispatch's shard_map; lowered for CUDA on a one-device mesh, forward and backward."""
+    monkeypatch.setattr(grouped_gemm, "kernel_device", lambda: True)
+    cfg = dataclasses.replace(TINY, hidden_size=128, moe_intermediate_size=64, dtype="bfloat16")
+    mesh = sharding.make_mesh({"data": 1, "tensor": 1, "expert": 1, "pipeline": 1}, jax.devices()[:1])
+    idx, x, w, wg, wu, wd, _ = _problem("skewed", 6, n=32, d=128, f=64, e=cfg.n_routed_experts)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+
+    def loss(x, w, wg, wu, wd):
+        return jnp.sum(dispatch(x, jnp.asarray(idx), w, wg, wu, wd, cfg)[0].astype(jnp.float32))
+    with sharding.use_mesh(mesh):
+        text = jax.jit(jax.value_and_grad(loss, argnums=range(5))).trace(
+            bf(x), w, bf(wg), bf(wu), bf(wd)).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"stablehlo\.custom_call @(\w+)", text) == ["mosaic_gpu_v2"] * 9
+    assert "stablehlo.while" not in text
+
+
 def test_impl_choice_and_stats():
     assert dropless_impl("auto", jnp.bfloat16, 1024, 512) == "loop"  # no sm90 GPU here
     assert dropless_impl("grouped", jnp.float32, 12, 6) == "grouped"

@@ -58,7 +58,8 @@ def kernel_device() -> bool:
 # Vendored from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu / transposed_ragged_dot_mgpu (identical in jax
 # 0.11.2 and 0.12.0.1), which are examples whose signatures fix the SM count (132, or the device's core_count,
 # which a CPU device lacks) and take no interpret flag. Changed: those two became arguments, and the forward skips
-# tiles that hold no routed row (with experts sharded, other shards' rows would otherwise each cost a full tile).
+# the K loop of tiles without routed rows (with experts sharded, other shards' rows would each cost a full tile),
+# with `pl.when` around `emit_pipeline` inside the accumulator's scope, as the transposed kernel skips empty groups.
 
 def _group_info(group_sizes, tile: int, tid):
     """The group and block of sorted rows that persistent tile `tid` computes (each group's tiles are numbered
@@ -104,9 +105,9 @@ def ragged_dot_kernel(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, num
             group, block, block_start, start_within_block, actual_size = _group_info(
                 rows_per_expert_gmem, block_m, mi)
 
-            @pl.when(actual_size > 0)
-            def _():
-                def acc_scope(acc_ref):
+            def acc_scope(acc_ref):
+                @pl.when(actual_size > 0)  # a tile without routed rows (other shards') skips the K loop
+                def _():
                     plgpu.emit_pipeline(
                         lambda _, lhs_smem, rhs_smem: plgpu.wgmma(
                             acc_ref, lhs_smem, rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem),
@@ -118,30 +119,31 @@ def ragged_dot_kernel(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, num
                         ],
                         max_concurrent_steps=_STAGES,
                     )(lhs_gmem, rhs_gmem.at[group])
-                    return acc_ref[...]
 
-                acc = pl.run_scoped(acc_scope, plgpu.ACC((block_m, block_n)))
+                return acc_ref[...]
 
-                @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((block_m, block_n), dtype=o_gmem.dtype))
-                def store_scope(o_smem):
-                    o_smem[...] = acc.astype(o_smem.dtype)
-                    plgpu.commit_smem()
-                    # TMA stores need static row counts: a ladder of power-of-two stores writes the group's rows.
-                    smem_start = start_within_block
-                    remaining_rows = min(block_m, m)
-                    while remaining_rows > 0:
-                        const_rows_len = 1 << int(math.log2(remaining_rows))
-                        remaining_rows //= 2
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((block_m, block_n)))
 
-                        @pl.when(actual_size & const_rows_len != 0)  # runs now: the loop variables are current
-                        def _():
-                            plgpu.copy_smem_to_gmem(
-                                o_smem.at[pl.ds(smem_start, const_rows_len)],  # noqa: B023
-                                o_gmem.at[pl.ds(block_start + smem_start, const_rows_len),  # noqa: B023
-                                          pl.ds(ni * block_n, block_n)])
+            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((block_m, block_n), dtype=o_gmem.dtype))
+            def store_scope(o_smem):
+                o_smem[...] = acc.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                # TMA stores need static row counts: a ladder of power-of-two stores writes the group's rows.
+                smem_start = start_within_block
+                remaining_rows = min(block_m, m)
+                while remaining_rows > 0:
+                    const_rows_len = 1 << int(math.log2(remaining_rows))
+                    remaining_rows //= 2
 
-                        smem_start += actual_size & const_rows_len
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    @pl.when(actual_size & const_rows_len != 0)  # runs now: the loop variables are current
+                    def _():
+                        plgpu.copy_smem_to_gmem(
+                            o_smem.at[pl.ds(smem_start, const_rows_len)],  # noqa: B023
+                            o_gmem.at[pl.ds(block_start + smem_start, const_rows_len),  # noqa: B023
+                                      pl.ds(ni * block_n, block_n)])
+
+                    smem_start += actual_size & const_rows_len
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype), grid=(num_sms,),
                           grid_names=("sm",), interpret=interpret,

@@ -206,7 +206,7 @@ def test_moe_dispatch_on_an_sm90_gpu_runs_the_kernels(monkeypatch):
     cfg = dataclasses.replace(TINY, hidden_size=128, moe_intermediate_size=64, dtype="bfloat16")
     mesh = sharding.make_mesh({"data": 1, "tensor": 1, "expert": 1, "pipeline": 1}, jax.devices()[:1])
     idx, x, w, wg, wu, wd, _ = _problem("skewed", 6, n=32, d=128, f=64, e=cfg.n_routed_experts)
-    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
 
     def loss(x, w, wg, wu, wd):
         return jnp.sum(dispatch(x, jnp.asarray(idx), w, wg, wu, wd, cfg)[0].astype(jnp.float32))

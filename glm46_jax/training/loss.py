@@ -49,7 +49,7 @@ def _laid_out_like(x: Array, ref: Array) -> Array:
 
 # Positions per chunk of the cross-entropy, per device (`LossConfig.ce_chunk_tokens`): each chunk's fp32 logits and
 # softmax are its own temporaries, so nothing [tokens, vocab]-sized is ever fp32. At or under it there is no loop.
-CHUNK_TOKENS = 8192
+CHUNK_TOKENS = 4096
 
 
 def token_nll(logits: Float[Array, "b s v"], labels: Int[Array, "b s"],

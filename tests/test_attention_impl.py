@@ -120,9 +120,9 @@ def test_model_cudnn_path_matches_the_mask_path(monkeypatch, mesh1):
             return jax.jit(lambda p, b, t, s: apply(graphdef, p, b, t, None, s))(p, b, tokens, seg)
 
     mesh4 = sharding.make_mesh({"data": 2, "tensor": 2}, jax.devices()[:4])
-    for seg, meshes in ((segments, (mesh1, mesh4)), (None, (mesh1,))):
+    for seg in (segments, None):
         ref = run("xla", mesh1, seg)
-        for mesh in meshes:
+        for mesh in (mesh1, mesh4):
             out = run("cudnn", mesh, seg)
             np.testing.assert_allclose(out.logits, ref.logits, atol=1e-4)  # the HF parity tests' tolerance
 
@@ -145,6 +145,28 @@ def test_auto_resolves_per_platform(monkeypatch):
     sharding.validate_mesh({"data": 2, "context": 2}, CFG.replace(attention_impl="auto"))
     with pytest.raises(InputError, match="attention_impl"):
         ModelConfig(attention_impl="flash")
+
+
+def test_auto_falls_back_to_blockwise_where_cudnn_refuses(monkeypatch, mesh1):
+    """On a "GPU" whose cuDNN jax cannot find (its own check raises, as it does on this CPU), auto traces and runs
+    the blockwise path: the same logits as attention_impl="blockwise"; an explicit "cudnn" raises."""
+    monkeypatch.setattr(attention, "_platform", lambda: "gpu")
+    monkeypatch.setattr(cudnn_api, "check_compute_capability", lambda _: True)
+    cfg = CFG.replace(num_hidden_layers=2, num_nextn_predict_layers=0, dtype="bfloat16")
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, CFG.vocab_size, (2, 8)), jnp.int32)
+    segments = jnp.asarray([[1] * 3 + [2] * 5, [1] * 8], jnp.int32)
+    _, params, buffers = init_model(cfg, mesh1, seed=1)
+    logits = {}
+    for impl in ("auto", "blockwise", "cudnn"):
+        graphdef = abstract_model(cfg.replace(attention_impl=impl), mesh1)[0]
+        with sharding.use_mesh(mesh1):
+            fn = jax.jit(lambda p, b, t, s, graphdef=graphdef: apply(graphdef, p, b, t, None, s).logits)
+            if impl == "cudnn":
+                with pytest.raises(RuntimeError, match="cuDNN"):
+                    fn(params, buffers, tokens, segments)
+            else:
+                logits[impl] = fn(params, buffers, tokens, segments)
+    np.testing.assert_array_equal(logits["auto"], logits["blockwise"])
 
 
 def test_auto_runs_on_cpu_and_generates(mesh1):
@@ -175,14 +197,15 @@ def test_a_row_of_too_many_documents_turns_nan(monkeypatch):
                                rtol=1e-5, atol=1e-5)
 
 
-def _fmha_calls(remat: str, packed: bool, monkeypatch) -> list[tuple[str, str]]:
+def _fmha_calls(remat: str, packed: bool, monkeypatch, mesh_shape=None) -> list[tuple[str, str]]:
     """(custom-call target, backend config) of every cuDNN attention call in the tiny model's loss gradient,
     lowered for CUDA on this CPU machine with attention_impl="auto" as it resolves on a Hopper GPU."""
     monkeypatch.setattr(attention, "_platform", lambda: "gpu")
     monkeypatch.setattr(cudnn_api, "check_compute_capability", lambda _: True)
     monkeypatch.setattr(cudnn_api, "check_cudnn_version", lambda: 91000)  # no cuDNN library here to ask
     cfg = CFG.replace(dtype="bfloat16", attention_impl="auto", remat=remat)
-    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+    mesh_shape = mesh_shape or {"data": 1}
+    mesh = sharding.make_mesh(mesh_shape, jax.devices()[:int(np.prod(list(mesh_shape.values())))])
     graphdef, params, buffers = abstract_model(cfg, mesh)
     rows = jax.ShapeDtypeStruct((2, 16), jnp.int32)
 
@@ -195,9 +218,10 @@ def _fmha_calls(remat: str, packed: bool, monkeypatch) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("remat", ["none", "full", "save_matmuls"])
-def test_lowered_for_cuda_causal_no_bias_no_forward_rerun(monkeypatch, remat, packed):
-    calls = _fmha_calls(remat, packed, monkeypatch)
+@pytest.mark.parametrize("remat, mesh_shape", [("none", None), ("full", None), ("save_matmuls", None),
+                                               ("save_matmuls", {"data": 2, "tensor": 2})])
+def test_lowered_for_cuda_causal_no_bias_no_forward_rerun(monkeypatch, remat, mesh_shape, packed):
+    calls = _fmha_calls(remat, packed, monkeypatch, mesh_shape)
     targets = [target for target, _ in calls]
     # One forward and one backward per attention site: the dense stack, the MoE stack (each a scan body) and MTP.
     assert targets.count("__cudnn$fmhaSoftmax") == targets.count("__cudnn$fmhaSoftmaxBackward") == 3, targets

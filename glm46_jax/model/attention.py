@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import einops
 import jax
 import jax.numpy as jnp
@@ -229,9 +231,10 @@ class Attention(nnx.Module):
             if impl == "cudnn":
                 try:
                     out = cudnn_attention(q, k, v, seg, scale)
-                except (NotImplementedError, RuntimeError):  # jax's cuDNN checks refused it at trace time
+                except (NotImplementedError, RuntimeError) as refused:  # jax's cuDNN checks, at trace time
                     if cfg.attention_impl != "auto":
                         raise
+                    logging.getLogger(__name__).warning("attention_impl=auto: cuDNN refused (%s); blockwise", refused)
             if out is None:
                 attend = blockwise_attention if context_size() == 1 else context_parallel_attention
                 out = attend(q, k, v, q_positions=pos, k_positions=pos, q_segment_ids=seg, k_segment_ids=seg,
@@ -253,31 +256,32 @@ def cudnn_attention(q: Float[Array, "b s h c"], k: Float[Array, "b s k c"], v: F
     Packed rows go through cuDNN's packed (ragged, THD-style) layout: each document is a sequence of its own,
     given by its length and start offset within the row (`segment_layout`), causal within itself. jax's own cuDNN
     API (what `jax.nn.dot_product_attention` calls), as the one on the GPU image that takes lengths + offsets:
-    TransformerEngine and tokamax would be extra wheels. Batch and heads may be sharded (its custom partitioning).
+    TransformerEngine and tokamax would be extra wheels. Batch and heads may be sharded (run per shard).
     A row of more than CUDNN_MAX_SEGMENTS documents gets a NaN output: its later documents would otherwise be
     left out silently, and a runtime error would cost a device->host copy every step (the loss turns NaN, which
     the trainer's non-finite guard reports; attention_impl="blockwise" takes any number of documents).
     """
-    if segment_ids is None:
-        return cudnn_attention_api.dot_product_attention(q, k, v, scale=scale,
-                                                          mask_type=cudnn_attention_api.MaskType.CAUSAL)
-    q_spec, kv_spec = (jax.typeof(a).sharding.spec for a in (q, k))
-    row_spec = jax.P((tuple(q_spec) + (None,))[0], None)
-
-    def local(q, k, v, segment_ids):
-        # Each shard's own rows: jax's conversion to cuDNN's flat list of documents (`_fix_seqlen_offsets`) runs
-        # on them, and refuses explicitly sharded ones.
-        lengths, offsets, count = segment_layout(segment_ids, CUDNN_MAX_SEGMENTS)
+    def local(q, k, v, *segment_ids):
+        # Each shard's own rows and heads: jax's conversion of lengths + offsets to cuDNN's flat list of documents
+        # (`_fix_seqlen_offsets`) refuses explicitly sharded ones, and the calls show in the lowered program
+        # (outside a shard_map, a mesh of several devices lowers them to a placeholder partitioned at compile time).
+        if not segment_ids:
+            return (cudnn_attention_api.dot_product_attention(q, k, v, scale=scale,
+                                                              mask_type=cudnn_attention_api.MaskType.CAUSAL),)
+        lengths, offsets, count = segment_layout(segment_ids[0], CUDNN_MAX_SEGMENTS)
         out = cudnn_attention_api.dot_product_attention(
             q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets, scale=scale,
             mask_type=cudnn_attention_api.MaskType.PADDING_CAUSAL)
         return (jnp.where((count > CUDNN_MAX_SEGMENTS)[:, None, None, None], jnp.nan, out),)
 
+    args = (q, k, v) + (() if segment_ids is None else (segment_ids,))
     if jax.typeof(q).sharding.mesh.empty:
-        return local(q, k, v, segment_ids)[0]
-    segment_ids = jax.sharding.reshard(segment_ids, row_spec)
-    return shard_map(local, (q_spec, kv_spec, kv_spec, row_spec), (q_spec,), diff_argnums=(0, 1, 2))(
-        q, k, v, segment_ids)[0]
+        return local(*args)[0]
+    q_spec, kv_spec = (jax.typeof(a).sharding.spec for a in (q, k))
+    row_spec = jax.P((tuple(q_spec) + (None,))[0], None)
+    args = args[:3] + tuple(jax.sharding.reshard(a, row_spec) for a in args[3:])
+    return shard_map(local, (q_spec, kv_spec, kv_spec) + (row_spec,) * (len(args) - 3), (q_spec,),
+                     diff_argnums=(0, 1, 2))(*args)[0]
 
 
 def context_parallel_attention(q: Float[Array, "b s h c"], k: Float[Array, "b s k c"], v: Float[Array, "b s k c"], *,

@@ -3,9 +3,9 @@
 The GPU layout of `experts.dropless_experts` (docs/performance.md#dropless-experts): the n x k assignments are
 sorted by expert once (other shards' experts last), gate, up and down are one grouped GEMM each over the sorted
 rows with the group sizes on the device, and the outputs are combined back per token in fp32. The backward is
-hand-written: the input gradient is three more grouped GEMMs against the transposed weights, the weight gradients
-three transposed-ragged GEMMs (the sum over each expert's rows, accumulated in fp32 inside the kernel and rounded
-once). No loop, no trip count, no device-to-host copy.
+hand-written: two more grouped GEMMs against the transposed weights (dy @ W_down^T; [dgate | dup] @ [W_gate |
+W_up]^T, gate and up side by side), and the weight gradients as two transposed-ragged GEMMs (the sum over each
+expert's rows, accumulated in fp32 inside the kernel and rounded once). No loop, no trip count, no device-to-host copy.
 
 GEMM backends (`backend`):
   mosaic     jax's Pallas Mosaic-GPU grouped kernels (sm90 wgmma), vendored below
@@ -357,11 +357,14 @@ def _grouped_swiglu_bwd(backend, res, dy):
     dh = dh_unweighted * w_s
     dgate = (dh * up * (sig * (1 + gate * (1 - sig)))).astype(dt)
     dup = (dh * silu).astype(dt)
-    dx_s = (_ragged(dgate, wg, gs, backend, transpose_rhs=True).astype(jnp.float32)
-            + _ragged(dup, wu, gs, backend, transpose_rhs=True).astype(jnp.float32))
+    # Gate and up side by side ([a, 2f] against [E, d, 2f]): dx is one GEMM summing both in fp32, and their weight
+    # gradients one GEMM reading x's rows once.
+    f = gate.shape[1]
+    dgate_up = jnp.concatenate([dgate, dup], axis=-1)
+    dx_s = _ragged(dgate_up, jnp.concatenate([wg, wu], axis=-1), gs, backend, transpose_rhs=True)
     dx = _combine(dx_s, layout, jnp.ones(w_nk.shape, jnp.float32)).astype(dt)
-    dwg = _ragged_t(xs, dgate, gs, backend)
-    dwu = _ragged_t(xs, dup, gs, backend)
+    dwgu = _ragged_t(xs, dgate_up, gs, backend)
+    dwg, dwu = dwgu[..., :f], dwgu[..., f:]
     dwd = _ragged_t((h * w_s).astype(dt), dy_s, gs, backend)
     grads = [cotangent_like(ct, primal) for ct, primal in zip((dx, dwg, dwu, dwd, dw_nk), (x, wg, wu, wd, w_nk))]
     return (*grads, None)

@@ -29,6 +29,7 @@ from ml_collections import config_flags
 
 from glm46_jax import cli, run_config
 from glm46_jax.cli import InputError
+from glm46_jax.model import counting
 from glm46_jax.parallel import sharding
 from glm46_jax.recipes import pretrain
 from glm46_jax.run_config import RunConfig
@@ -54,52 +55,119 @@ def git_commit() -> str:
         return "unknown"
 
 
+def random_tokens(rows: int, seq_len: int, vocab: int, seed: int) -> np.ndarray:
+    """[rows, seq_len + 1] uniform ids: inputs are [:, :-1], targets [:, 1:] (benchmarks/gpu's HF anchor trains
+    on these same ids)."""
+    return np.random.default_rng(seed).integers(0, vocab, (rows, seq_len + 1)).astype(np.int32)
+
+
+def synthetic_batch(rows: int, seq_len: int, vocab: int, seed: int, packed: bool = False,
+                    mean_document: int | None = None) -> dict[str, np.ndarray]:
+    """Random tokens as a training batch. `packed`: laid out as the loader's concat packing lays out a pre-training
+    batch (`loader.shift_row`: segment_ids 1, 2, ... per document, positions restarting at each, no loss on a
+    document's first target), document lengths exponential with mean `mean_document` (default seq_len / 4, i.e.
+    1,024 at 4,096; at least 2 tokens)."""
+    mean_document = mean_document or max(2, seq_len // 4)
+    tokens = random_tokens(rows, seq_len, vocab, seed)
+    if not packed:
+        return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    from glm46_jax.data import loader  # grain: only the packed layout needs the data stack
+
+    rng = np.random.default_rng(seed + 1)
+    out = []
+    for row in tokens:
+        lengths = []
+        while sum(lengths) < len(row):
+            lengths.append(max(2, int(rng.exponential(mean_document))))
+        segments = np.repeat(np.arange(1, len(lengths) + 1), lengths)[:len(row)]
+        positions = np.concatenate([np.arange(n) for n in lengths])[:len(row)]
+        out.append(loader.shift_row({"tokens": row, "tokens_segment_ids": segments, "tokens_positions": positions},
+                                    pad_id=0))
+    return {k: np.stack([r[k] for r in out]) for k in out[0]}
+
+
+class PreparedStep:
+    """The train step at one phase's shapes, its state and one batch on the devices, compiled once per named set
+    of XLA compiler options (`jax.stages.Lowered.compile(compiler_options=...)`, e.g.
+    {"xla_gpu_enable_command_buffer": ""}), so variants of one step run side by side in one process."""
+
+    def __init__(self, cfg: RunConfig, devices: Sequence[jax.Device] | None = None, phase_name: str | None = None,
+                 packed: bool = False, variants: dict[str, dict[str, Any]] | None = None):
+        phases = {p.name: p for p in cfg.data.curriculum.phases}
+        if phase_name is not None and phase_name not in phases:
+            raise InputError(f"--phase={phase_name!r}: the curriculum's phases are {list(phases)}")
+        self.cfg = cfg
+        self.run, self.state = pretrain.build(cfg, devices)
+        self.phase = phases[phase_name] if phase_name else cfg.data.curriculum.phases[0]
+        self.rows, self.seq_len = self.phase.global_batch, self.phase.seq_len
+        self.devices = list(self.run.mesh.devices.flatten())
+        local = synthetic_batch(self.rows, self.seq_len, cfg.model.vocab_size, cfg.train.seed, packed)
+        self.options = variants or {"default": {}}
+        self.executables, self.compile_s = {}, {}
+        with sharding.use_mesh(self.run.mesh):
+            self.batch = self.run.device_batch(local)  # one process's rows (bench runs as a single process)
+            self.ctrl = self.run.controls_at(0)  # MTP weight 0.3, balancing rate 1e-3: everything on
+            lowered = self.run.steps_for(self.phase).lower(self.state, self.batch, self.ctrl, self.run.frozen)
+            for name, options in self.options.items():
+                t0 = time.perf_counter()
+                self.executables[name] = lowered.compile(compiler_options=options or None)
+                self.compile_s[name] = time.perf_counter() - t0
+        self.metrics: dict[str, Any] = {}
+
+    def __call__(self, variant: str = "default") -> None:
+        """One step of `variant`, waited for (the state carries on from whichever variant ran last)."""
+        with sharding.use_mesh(self.run.mesh):
+            self.state, self.metrics = self.executables[variant](self.state, self.batch, self.ctrl, self.run.frozen)
+            jax.block_until_ready(self.state)
+
+    def interleave(self, steps: int, warmup: int, extra: dict[str, Any] | None = None) -> dict[str, list[float]]:
+        """Seconds per step of every variant, run in turn A, B, A, B, ... (`extra`: more callables timed in the
+        same rounds, e.g. a matmul peak probe), so drift on the device hits each alike."""
+        calls = {name: (lambda name=name: self(name)) for name in self.executables} | (extra or {})
+        for _ in range(warmup):
+            for call in calls.values():
+                call()
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(steps):
+            for name, call in calls.items():
+                t0 = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - t0)
+        return times
+
+    def result(self, times: list[float], variant: str = "default") -> dict[str, Any]:
+        """bench()'s record of one variant's step times."""
+        cfg, phase, devs = self.cfg, self.phase, self.devices
+        peak_flops, peak_source = metrics.system_peak(devs)
+        tokens = self.rows * self.seq_len
+        step_s = float(np.median(times))
+        per_token = self.run.flops_per_token(phase)
+        if not cfg.loss.mtp:  # the MTP layer exists but never runs: its FLOPs are not the step's
+            per_token = counting.flops_per_token(cfg.model.replace(num_nextn_predict_layers=0), self.seq_len)
+        return {
+            "preset": cfg.source.get("model", {}).get("preset", "?"), "device": f"{len(devs)} x {devs[0].device_kind}",
+            "commit": git_commit(), "phase": phase.name, "global_batch": self.rows, "seq_len": self.seq_len,
+            "accum_steps": cfg.train.accum_steps, "dtype": cfg.model.dtype, "remat": cfg.model.remat,
+            "compile_s": self.compile_s[variant], "step_s_median": step_s, "step_s_min": float(np.min(times)),
+            "step_s_max": float(np.max(times)), "tokens_per_s": tokens / step_s,
+            "model_flops_per_token": per_token, "achieved_tflops": per_token * tokens / step_s / 1e12,
+            "peak_tflops": peak_flops / 1e12 if peak_flops else None, "peak_source": peak_source,
+            "mfu": metrics.mfu(per_token, tokens / step_s, 1, peak_flops) if peak_flops else None,
+            "peak_memory_gib": (metrics.device_memory_peak_bytes(devs[0]) or 0) / 2**30,
+            "memory_source": "host RSS" if devs[0].platform == "cpu" else "device peak_bytes_in_use (device 0)",
+            "final_loss": float(self.metrics["loss"]), "steps": len(times),
+        }
+
+
 def bench(cfg: RunConfig, steps: int = 20, warmup: int = 3,
-          devices: Sequence[jax.Device] | None = None, phase_name: str | None = None) -> dict[str, Any]:
+          devices: Sequence[jax.Device] | None = None, phase_name: str | None = None,
+          packed: bool = False) -> dict[str, Any]:
     """Time the train step at a curriculum phase's shapes (default: the first phase, full batch)."""
     if steps < 1 or warmup < 0:
         raise InputError(f"--steps={steps} must be >= 1 and --warmup={warmup} >= 0")
-    phases = {p.name: p for p in cfg.data.curriculum.phases}
-    if phase_name is not None and phase_name not in phases:
-        raise InputError(f"--phase={phase_name!r}: the curriculum's phases are {list(phases)}")
-    run, state = pretrain.build(cfg, devices)
-    phase = phases[phase_name] if phase_name else cfg.data.curriculum.phases[0]
-    rows, seq_len = phase.global_batch, phase.seq_len
-    x = np.random.default_rng(cfg.train.seed).integers(0, cfg.model.vocab_size, (rows, seq_len + 1))
-    devs = list(run.mesh.devices.flatten())
-    with sharding.use_mesh(run.mesh):
-        # One process's rows (bench runs as a single process).
-        batch = run.device_batch({"inputs": x[:, :-1].astype(np.int32), "targets": x[:, 1:].astype(np.int32)})
-        ctrl = run.controls_at(0)  # MTP weight 0.3, balancing rate 1e-3: everything on
-        t0 = time.perf_counter()
-        step = run.steps_for(phase).lower(state, batch, ctrl, run.frozen).compile()
-        compile_s = time.perf_counter() - t0
-        for _ in range(warmup):
-            state, m = step(state, batch, ctrl, run.frozen)
-        jax.block_until_ready(state)
-        times = []
-        for _ in range(steps):  # per-step times: the spread shows noise from other tenants
-            t0 = time.perf_counter()
-            state, m = step(state, batch, ctrl, run.frozen)
-            jax.block_until_ready(state)
-            times.append(time.perf_counter() - t0)
-    peak_flops, peak_source = metrics.system_peak(devs)
-    tokens = rows * seq_len
-    step_s = float(np.median(times))
-    flops = run.flops_per_token(phase) * tokens / step_s
-    return {
-        "preset": cfg.source.get("model", {}).get("preset", "?"), "device": f"{len(devs)} x {devs[0].device_kind}",
-        "commit": git_commit(), "phase": phase.name, "global_batch": rows, "seq_len": seq_len,
-        "accum_steps": cfg.train.accum_steps, "dtype": cfg.model.dtype, "remat": cfg.model.remat,
-        "compile_s": compile_s, "step_s_median": step_s, "step_s_min": float(np.min(times)),
-        "step_s_max": float(np.max(times)), "tokens_per_s": tokens / step_s,
-        "model_flops_per_token": run.flops_per_token(phase), "achieved_tflops": flops / 1e12,
-        "peak_tflops": peak_flops / 1e12 if peak_flops else None, "peak_source": peak_source,
-        "mfu": metrics.mfu(run.flops_per_token(phase), tokens / step_s, 1, peak_flops) if peak_flops else None,
-        "peak_memory_gib": (metrics.device_memory_peak_bytes(devs[0]) or 0) / 2**30,
-        "memory_source": "host RSS" if devs[0].platform == "cpu" else "device peak_bytes_in_use (device 0)",
-        "final_loss": float(m["loss"]), "steps": steps, "warmup": warmup,
-    }
+    step = PreparedStep(cfg, devices, phase_name, packed)
+    times = step.interleave(steps, warmup)["default"]
+    return {**step.result(times), "warmup": warmup}
 
 
 def _table(r: dict[str, Any]) -> str:
@@ -110,8 +178,8 @@ def _table(r: dict[str, Any]) -> str:
             ("step time (median, min-max)",
              f"{r['step_s_median'] * 1e3:.1f} ms ({r['step_s_min'] * 1e3:.1f}-{r['step_s_max'] * 1e3:.1f})"),
             ("tokens/s", f"{r['tokens_per_s']:,.0f}"),
-            ("model TFLOP/s", f"{r['achieved_tflops']:.4g} (of {r['peak_tflops'] or float('nan'):.4g}: "
-                              f"{r['peak_source']})"),
+            ("model TFLOP/s", (f"{r['achieved_tflops']:.4g} (of {r['peak_tflops'] or float('nan'):.4g}: "
+                              f"{r['peak_source']})")),
             ("MFU", f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"),
             ("peak memory", f"{r['peak_memory_gib']:.2f} GiB ({r['memory_source']})")]
     width = max(len(k) for k, _ in rows)

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The GPU benchmark in one command, run ON the lent GPU machine (its own jax 0.11.2 + CUDA 13 plugin, flax, optax,
-# orbax, chex, einops; no network). The device tool call:
+# orbax, chex, einops, torch + transformers; no network). The device tool call that decides everything:
 #
-#   run(command="bash benchmarks/gpu/run.sh", carry=[".whl"])                   # small preset, 8 x 4096 tokens
-#   run(command="bash benchmarks/gpu/run.sh --batch 4 --steps 20", carry=[".whl"])   # step.py's flags pass through
+#   run(command="bash benchmarks/gpu/run.sh", carry=[".whl"], kind="nvidia-h200", timeout_s=600)   # ~8 min, no flags
+#   run(command="bash benchmarks/gpu/run.sh --skip hf,moe --steps 20", carry=[".whl"])   # step.py's flags pass through
 #
 # First, HERE (with network): bash benchmarks/gpu/fetch_wheels.sh   (fills the ignored .whl/ with grain,
 # ml-collections, array-record and their missing needs; ~5 MiB of the call's 64 MiB).
 # It installs the carried wheels into /tmp/site (never into the image's own environment), then runs
-# benchmarks/gpu/step.py with the image's python3; result.json, report.md, trace.json.gz and log.txt land in
-# $OUT (the device tool brings that folder back), else in runs/gpu_bench. Without a GPU it runs step.py's CPU
-# fallback (tiny preset, fp32) and says so. docs/gpu.md#running-it-on-the-lent-gpu has the details.
+# benchmarks/gpu/step.py with the image's python3: HF transformers first (a subprocess, before JAX takes the GPU's
+# memory), then the step, its profile, the HF-equivalent row and the MoE section. result.json and report.md are
+# rewritten in $OUT after every section (a timeout still brings back what ran), with trace.json.gz, step_hlo.txt.gz,
+# hf/ and log.txt; elsewhere runs/gpu_bench. Without a GPU it runs step.py's CPU fallback (tiny preset, fp32) and
+# says so. docs/gpu.md#running-it-on-the-lent-gpu has the details.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
@@ -63,6 +65,9 @@ if [ -n "$missing" ]; then
        "carry=[\".whl\"]) or install the package's dependencies." >&2
   exit 2
 fi
-"$PY" -c 'import jax, flax; print("== jax", jax.__version__, "flax", flax.__version__, "devices", jax.devices())'
+# Not jax.devices() here: that would start JAX on the GPU in a process of its own before the HF anchor runs.
+"$PY" -c 'import jax, flax; print("== jax", jax.__version__, "flax", flax.__version__)'
+"$PY" -c 'import torch, transformers; print("== torch", torch.__version__, "transformers", transformers.__version__)' \
+  2>/dev/null || echo "== no torch/transformers for $PY: the HF anchor is skipped"
 
 "$PY" benchmarks/gpu/step.py --out "$OUT" "$@"

@@ -1,0 +1,115 @@
+"""report.md from result.json (benchmarks/gpu/step.py writes both after every section), and the profile's top tables."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import hlo_trace
+
+GOALS = {"tokens_per_s": 85_000, "mfu": 0.35, "hf_ratio": 1.5, "moe_over_dense": 1.3, "d2h": 0}
+
+
+def top(ops: list[dict[str, Any]], instrs: dict[str, dict[str, Any]], steps: int, n: int, by: str
+        ) -> list[dict[str, Any]]:
+    """ms per step summed by named scope + pass (`by="scope"`) or by HLO op (`by="op"`), largest first."""
+    total = sum(o["dur_us"] for o in ops)
+    table: dict[tuple, float] = collections.defaultdict(float)
+    for o in ops:
+        scope = hlo_trace.scope_of(instrs.get(o["hlo_op"], {}).get("op_name") or o.get("op_name", ""))
+        table[scope if by == "scope" else (o["hlo_op"], "{} ({})".format(*scope))] += o["dur_us"]
+    keys = ("scope", "pass") if by == "scope" else ("hlo_op", "scope")
+    return [{keys[0]: k[0], keys[1]: k[1], "ms_per_step": v / 1e3 / steps, "share": v / total if total else 0.0}
+            for k, v in sorted(table.items(), key=lambda kv: -kv[1])[:n]]
+
+
+def _f(x, fmt="{:.1f}", none="—") -> str:
+    return none if x is None else fmt.format(x)
+
+
+def markdown(r: dict[str, Any]) -> str:
+    lines = [f"## GPU train-step benchmark (`benchmarks/gpu/run.sh`), {r['date']}", "",
+             (f"- device: {r.get('device', '?')} ({r.get('platform', '?')}), jax {r['jax']}, Python {r['python']}, "
+             f"commit {r['commit']}"),
+             f"- libraries: {r.get('libraries', {})}",
+             f"- XLA_FLAGS: `{r['xla_flags_env'] or '(none)'}`"]
+    if "matmul_peak" in r:
+        lines.append(f"- measured {r['matmul_peak']['dtype']} matmul peak: {r['matmul_peak']['tflops']:.1f} TFLOP/s"
+                     + (f" (interleaved with the steps: {r['step_variants']['matmul_peak_interleaved_tflops']:.1f})"
+                        if "step_variants" in r else ""))
+    rows = [("ours, default (Muon + MTP)", r.get("train_step")), ("ours, HF-equivalent", r.get("hf_equivalent"))]
+    if any(v for _, v in rows):
+        lines += ["", "| row | tokens/s | model TFLOP/s | MFU vs 989 | step ms | peak memory | vs HF |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, s in rows:
+            if s:
+                lines.append(f"| {name} ({s['global_batch']} x {s['seq_len']}, remat {s['remat']}) | "
+                             f"{s['tokens_per_s']:,.0f} | {s['achieved_tflops']:.1f} | "
+                             f"{s['mfu_vs_datasheet_989']:.1%} | {s['step_s_median'] * 1e3:.1f} | "
+                             f"{s['peak_memory_gib']:.2f} GiB | {_f(s.get('vs_hf_transformers'), '{:.2f}x')} |")
+    hf = r.get("hf_transformers")
+    if hf:
+        if "tokens_per_s" in hf:
+            lines.append(f"| HF transformers {hf['transformers']} ({hf['experts_implementation']} experts, "
+                         f"{hf['attn_implementation']}, {hf['dtype']}) | {hf['tokens_per_s']:,.0f} | "
+                         f"{hf['achieved_tflops']:.1f} | {hf['achieved_tflops'] / 989.4:.1%} | "
+                         f"{hf['step_s_median'] * 1e3:.1f} | {_f(hf.get('peak_gib'), '{:.2f} GiB')} | 1.00x |")
+        else:
+            lines += ["", f"HF transformers: {hf.get('skipped') or hf.get('error')}"]
+    sv = r.get("step_variants")
+    if sv:
+        lines += ["", "Full step, XLA option sets interleaved in one process:", "",
+                  "| options | step ms | tokens/s | vs default | compile s |", "|---|---|---|---|---|"]
+        lines += [f"| {n} `{v['options']}` | {v['step_ms_median']:.1f} | {v['tokens_per_s']:,.0f} | "
+                  f"{v['vs_default']:.3f} | {v['compile_s']:.0f} |" for n, v in sv.items() if isinstance(v, dict)]
+    a = r.get("attention_hlo")
+    if a:
+        lines += ["", (f"Attention in the compiled step: **{'OK' if a['ok'] else 'NOT OK'}**: {a['why']} "
+                      f"({a['forward']} forward, {a['backward']} backward calls; targets {a['targets']})")]
+    prof = r.get("profile")
+    if prof and "components" in prof:
+        t = prof["timeline"]
+        if "busy_ms_per_step" in t:
+            lines += ["", (f"Profile ({prof['steps']} steps, command buffers off): wall {t['wall_ms_per_step']:.1f} ms"
+                           f"/step, GPU busy {t['busy_ms_per_step']:.1f}, idle {t['idle_ms_per_step']:.1f} (inside "
+                           f"the device span {t['span_idle_ms_per_step']:.1f}); {t['kernels_per_step']:,.0f} kernels "
+                           f"and **{t['d2h_copies_per_step']:,.0f} device->host copies** per step")]
+        else:
+            lines += ["", f"Profile ({prof['steps']} steps): {t['source']}"]
+        lines += ["", "| component | ms / step | GFLOP / step | TFLOP/s | ideal ms at measured peak |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {c['component']} | {c['ms_per_step']:.2f} | {_f(c['flops'] and c['flops'] / 1e9, '{:,.1f}')} "
+                  f"| {_f(c['tflops'])} | {_f(c['ideal_ms'], '{:.2f}')} |" for c in prof["components"]]
+        lines += ["", "| named scope | pass | ms / step | share |", "|---|---|---|---|"]
+        lines += [f"| {x['scope']} | {x['pass']} | {x['ms_per_step']:.2f} | {x['share']:.1%} |"
+                  for x in prof["by_scope"]]
+        lines += ["", "| HLO op | scope (pass) | ms / step | share |", "|---|---|---|---|"]
+        lines += [f"| {x['hlo_op']} | {x['scope']} | {x['ms_per_step']:.2f} | {x['share']:.1%} |"
+                  for x in prof["by_op"]]
+    m = r.get("moe")
+    if m:
+        sh = m["shapes"]
+        lines += ["", (f"MoE layer alone ({sh['tokens']} tokens, d {sh['d_model']}, {sh['experts']} experts x "
+                       f"{sh['expert_ffn']} top-{sh['top_k']} + {sh['shared']} shared, {sh['dtype']}, loop block "
+                       f"{sh['block']} x group {sh['group']}; fwd + bwd) vs a dense FFN of width {sh['dense_ffn']}: "
+                       f"{m['dense']['median_ms']:.2f} ms, {m['dense']['tflops']:.1f} TFLOP/s"), "",
+                  ("| impl | ms | TFLOP/s | MoE / dense | padded rows | trips | per-trip overhead us | "
+                  "max abs diff vs loop (out / grads) |"), "|---|---|---|---|---|---|---|---|"]
+        for name, x in m["impls"].items():
+            if "error" in x:
+                lines.append(f"| {name} | error: {x['error']} | | | | | | |")
+                continue
+            diff = x.get("max_abs_diff_vs_loop")
+            lines.append(f"| {name} | {x['median_ms']:.2f} | {x['tflops']:.1f} | **{x['moe_over_dense']:.2f}** | "
+                         f"{x.get('padded_rows', '—')} | {x.get('trips', '—')} | "
+                         f"{_f(x.get('per_trip_overhead_us'))} | "
+                         f"{'{:.3g} / {:.3g}'.format(diff['output'], diff['grads']) if diff else 'reference'} |")
+        if "flags" in m:
+            lines += ["", "MoE layer (loop), XLA option sets interleaved:", "", "| options | ms | vs default |",
+                      "|---|---|---|"]
+            lines += [f"| {n} | {v['median_ms']:.3f} | {v['vs_first']:.3f} |" for n, v in m["flags"].items()]
+    if r["skipped"]:
+        lines += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in r["skipped"].items())]
+    if r["errors"]:
+        lines += ["", "Errors: " + "; ".join(f"{k}: {str(v)[:500]}" for k, v in r["errors"].items())]
+    return "\n".join(lines) + "\n"

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from test_experts import _routing, numpy_moe
 
+from glm46_jax.cli import InputError
 from glm46_jax.config import TINY
 from glm46_jax.model import grouped_gemm
 from glm46_jax.model.experts import dropless_experts, dropless_impl, dropless_stats
@@ -218,6 +219,8 @@ def test_moe_dispatch_on_an_sm90_gpu_runs_the_kernels(monkeypatch):
 
 
 def test_impl_choice_and_stats():
+    with pytest.raises(InputError, match="moe_impl.*auto.*loop.*grouped"):
+        TINY.replace(moe_impl="megablox")
     assert dropless_impl("auto", jnp.bfloat16, 1024, 512) == "loop"  # no sm90 GPU here
     assert dropless_impl("grouped", jnp.float32, 12, 6) == "grouped"
     assert grouped_gemm.kernel_supported(1024, 512, jnp.bfloat16)

@@ -234,8 +234,7 @@ def transposed_ragged_dot_kernel(lhs, rhs, group_sizes, *, num_sms: int = 132, i
 # --- Backends ----------------------------------------------------------------------------------------------------
 
 def _interpret_params():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # private path; tests only
-    return InterpretGPUParams()
+    return plgpu.InterpretGPUParams()
 
 
 def _kernel_args(backend: str) -> dict:

@@ -67,8 +67,8 @@ def optimizer_group(path: str | Sequence[Any], ndim: int | None = None, *, route
 
 MDN = optax.contrib.MuonDimensionNumbers
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
-# auto: bfloat16 wherever the program is compiled for an accelerator, float32 for a CPU, where bf16 matmuls
-# are slower than fp32 ones (measured: docs/performance.md#muon-in-bf16).
+# auto: bfloat16 when the program is compiled for a GPU/TPU; float32 for a CPU, whose tiny runs gain nothing from
+# bf16 and whose tests and fixtures are fp32 references (measured: docs/performance.md#muon-in-bf16).
 NS_DTYPES = ("auto", "float32", "bfloat16")
 SCHEDULES = ("warmup_cosine", "wsd", "cosine_restarts", "constant")
 

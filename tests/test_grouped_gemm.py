@@ -206,7 +206,7 @@ def test_moe_dispatch_on_an_sm90_gpu_runs_the_kernels(monkeypatch):
     monkeypatch.setattr(grouped_gemm, "kernel_device", lambda: True)
     cfg = dataclasses.replace(TINY, hidden_size=128, moe_intermediate_size=64, dtype="bfloat16")
     mesh = sharding.make_mesh({"data": 1, "tensor": 1, "expert": 1, "pipeline": 1}, jax.devices()[:1])
-    idx, x, w, wg, wu, wd, _ = _problem("skewed", 6, n=32, d=128, f=64, e=cfg.n_routed_experts)
+    idx, x, w, wg, wu, wd, _ = _problem("skewed", 6, n=96, d=128, f=64, e=cfg.n_routed_experts)  # 192 rows
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)
 
     def loss(x, w, wg, wu, wd):
@@ -226,6 +226,7 @@ def test_impl_choice_and_stats():
     assert grouped_gemm.kernel_supported(1024, 512, jnp.bfloat16)
     assert not grouped_gemm.kernel_supported(1024, 512, jnp.float32)
     assert not grouped_gemm.kernel_supported(64, 32, jnp.bfloat16)
+    assert not grouped_gemm.kernel_supported(1024, 512, jnp.bfloat16, rows=64)  # a decode step's few assignments
     # Experts 0..3 with loads 3, 0, 130, 1: tiles of 128 rows from row 0 -> e0 rows 0-2 in tile 0, e2 rows 3-132 in
     # tiles 0 and 1, e3 row 133 in tile 1: 4 tiles = 512 rows for 134 routed.
     idx = jnp.asarray([0] * 3 + [2] * 130 + [3], jnp.int32)[:, None]

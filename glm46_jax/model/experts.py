@@ -223,12 +223,13 @@ def block_layout(idx: Int[Array, "n k"], num_local: int, expert_offset: Array | 
                        used=(padded_end[-1] // block).astype(jnp.int32))
 
 
-def dropless_impl(impl: str, dtype, d: int, f: int) -> str:
-    """Which dropless implementation `impl` ("auto" | "loop" | "grouped") runs for these shapes: "loop" or
-    "grouped". "auto" is grouped where its kernels run (an sm90 GPU, 16-bit compute, d and f per shard multiples
-    of 64) and the loop elsewhere, where it measures best (docs/performance.md#dropless-experts)."""
+def dropless_impl(impl: str, dtype, d: int, f: int, rows: int | None = None) -> str:
+    """Which dropless implementation `impl` ("auto" | "loop" | "grouped") runs for these shapes (`rows`: the
+    assignments, n * k): "loop" or "grouped". "auto" is grouped where its kernels run (an sm90 GPU, 16-bit compute,
+    d and f per shard multiples of 64, >= 128 rows) and the loop elsewhere, where it measures best
+    (docs/performance.md#dropless-experts)."""
     if impl == "auto":
-        return "grouped" if grouped_gemm.kernel_device() and grouped_gemm.kernel_supported(d, f, dtype) else "loop"
+        return "grouped" if _kernels_run(dtype, d, f, rows) else "loop"
     if impl not in ("loop", "grouped"):
         raise ValueError(f"dropless_impl: {impl!r} is not one of auto, loop, grouped")
     return impl
@@ -241,13 +242,17 @@ def dropless_stats(idx: Int[Array, "n k"], num_local: int, d: int, f: int, dtype
     loop: padded_rows = rows of the used blocks past the routed ones, trips = loop trips (data-dependent);
     grouped: padded_rows = rows of the forward kernel's 128-row tiles past the routed ones, trips = 0 (no loop).
     """
-    impl = dropless_impl(impl, dtype, d, f)
+    impl = dropless_impl(impl, dtype, d, f, idx.size)
     if impl == "grouped":
         layout = grouped_gemm.sorted_layout(idx, num_local, expert_offset)
         return {"impl": impl, "padded_rows": grouped_gemm.tile_padding(layout.group_sizes),
                 "trips": jnp.zeros((), jnp.int32)}
     layout = block_layout(idx, num_local, expert_offset, block, group)
     return {"impl": impl, "padded_rows": layout.used * block - jnp.sum(layout.local), "trips": _trips(layout, group)}
+
+
+def _kernels_run(dtype, d: int, f: int, rows: int | None) -> bool:
+    return grouped_gemm.kernel_device() and grouped_gemm.kernel_supported(d, f, dtype, rows)
 
 
 @jax.named_scope("experts")
@@ -262,9 +267,9 @@ def dropless_experts(x: Float[Array, "n d"], idx: Int[Array, "n k"], weights: Fl
     one core). Combined in fp32 as HF does (expert output x fp32 weight, one cast at the end); assignments to
     experts held elsewhere contribute nothing here.
     """
-    if dropless_impl(impl, x.dtype, x.shape[1], w_gate_edf.shape[2]) == "grouped":
-        backend = "mosaic" if grouped_gemm.kernel_device() and grouped_gemm.kernel_supported(
-            x.shape[1], w_gate_edf.shape[2], x.dtype) else "xla"
+    shapes = (x.dtype, x.shape[1], w_gate_edf.shape[2], idx.size)
+    if dropless_impl(impl, *shapes) == "grouped":
+        backend = "mosaic" if _kernels_run(*shapes) else "xla"
         return grouped_gemm.grouped_dropless(x, idx, weights, w_gate_edf, w_up_edf, w_down_efd, expert_offset,
                                              backend)
     dt = x.dtype

@@ -43,9 +43,11 @@ def _tile(dim: int) -> int:
     return 128 if dim % 128 == 0 else 64
 
 
-def kernel_supported(d: int, f: int, dtype) -> bool:
-    """Whether the Mosaic-GPU kernels take these shapes: 16-bit inputs, d and f (per shard) multiples of 64."""
-    return jnp.dtype(dtype) in [jnp.dtype(t) for t in KERNEL_DTYPES] and d % 64 == 0 and f % 64 == 0
+def kernel_supported(d: int, f: int, dtype, rows: int | None = None) -> bool:
+    """Whether the Mosaic-GPU kernels take these shapes: 16-bit inputs, d and f (per shard) multiples of 64, and
+    at least one 128-row tile of assignments (fewer, as in decoding, would load tiles larger than the array)."""
+    return (jnp.dtype(dtype) in [jnp.dtype(t) for t in KERNEL_DTYPES] and d % 64 == 0 and f % 64 == 0
+            and (rows is None or rows >= 128))
 
 
 def kernel_device() -> bool:

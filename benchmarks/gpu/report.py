@@ -38,7 +38,8 @@ def markdown(r: dict[str, Any]) -> str:
                      + (f" (interleaved with the steps: {r['step_variants']['matmul_peak_interleaved_tflops']:.1f})"
                         if "step_variants" in r else ""))
     rows = [("ours, default (Muon + MTP)", r.get("train_step")), ("ours, HF-equivalent", r.get("hf_equivalent"))]
-    if any(v for _, v in rows):
+    hf = r.get("hf_transformers")
+    if any(v for _, v in rows) or (hf and "tokens_per_s" in hf):
         lines += ["", "| row | tokens/s | model TFLOP/s | MFU vs 989 | step ms | peak memory | vs HF |",
                   "|---|---|---|---|---|---|---|"]
         for name, s in rows:
@@ -47,7 +48,6 @@ def markdown(r: dict[str, Any]) -> str:
                              f"{s['tokens_per_s']:,.0f} | {s['achieved_tflops']:.1f} | "
                              f"{s['mfu_vs_datasheet_989']:.1%} | {s['step_s_median'] * 1e3:.1f} | "
                              f"{s['peak_memory_gib']:.2f} GiB | {_f(s.get('vs_hf_transformers'), '{:.2f}x')} |")
-    hf = r.get("hf_transformers")
     if hf:
         if "tokens_per_s" in hf:
             lines.append(f"| HF transformers {hf['transformers']} ({hf['experts_implementation']} experts, "

@@ -308,6 +308,7 @@ def profile_section(args, step: PreparedStep, peak: float) -> dict[str, Any]:
     if not ops:
         return {"error": f"the trace in {trace_dir} has no events naming an HLO op ({path or 'no trace file'})"}
     shutil.copy(path, os.path.join(args.out, "trace.json.gz"))  # $OUT brings back files 2 folders down at most
+    shutil.rmtree(trace_dir, ignore_errors=True)  # the xplane protos: tens of MiB the device tool need not carry
     instrs = hlo_trace.hlo_instructions(step.executables[variant].as_text())
     steps = args.profile_steps
     c = step.cfg.model

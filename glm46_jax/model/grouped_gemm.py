@@ -58,10 +58,11 @@ def kernel_device() -> bool:
 
 # --- Kernels -----------------------------------------------------------------------------------------------------
 # Adapted from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu / transposed_ragged_dot_mgpu (The JAX Authors,
-# Apache-2.0, as jax itself; identical in jax 0.11.2 and 0.12.0.1), which are examples whose signatures fix the SM count (132, or the device's core_count,
-# which a CPU device lacks) and take no interpret flag. Changed: those two became arguments, and the forward skips
-# the K loop of tiles without routed rows (with experts sharded, other shards' rows would each cost a full tile),
-# with `pl.when` around `emit_pipeline` inside the accumulator's scope, as the transposed kernel skips empty groups.
+# Apache-2.0, as jax itself; identical in jax 0.11.2 and 0.12.0.1), which are examples whose signatures fix the SM
+# count (132, or the device's core_count, which a CPU device lacks) and take no interpret flag. Changed: those two
+# became arguments, and the forward skips the K loop of tiles without routed rows (with experts sharded, other
+# shards' rows would each cost a full tile), with `pl.when` around `emit_pipeline` inside the accumulator's scope,
+# as the transposed kernel skips empty groups.
 
 def _group_info(group_sizes, tile: int, tid):
     """The group and block of sorted rows that persistent tile `tid` computes (each group's tiles are numbered

@@ -11,8 +11,8 @@ import pytest
 
 from glm46_jax.parallel import sharding
 from glm46_jax.cli import InputError
-from glm46_jax.training.optim import (NS_COEFFS, OptimConfig, build_optimizer, make_schedule, newton_schulz,
-                                      param_labels)
+from glm46_jax.training.muon import NS_COEFFS, newton_schulz
+from glm46_jax.training.optim import OptimConfig, build_optimizer, make_schedule, param_labels
 
 B1 = 0.95  # Muon momentum
 

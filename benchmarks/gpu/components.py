@@ -67,7 +67,7 @@ def classify(scope: str, direction: str, instr: dict[str, Any], kernel: str, voc
 
 
 def muon_matrices(c) -> list[tuple[int, int, int]]:
-    """(count, rows, cols) of the matrices Muon orthogonalises per step (training/optim.py's muon_dims: q/k/v/o
+    """(count, rows, cols) of the matrices Muon orthogonalises per step (training/muon.py's muon_dims: q/k/v/o
     per head, experts per expert, FFNs and eh_proj whole; router, embedding and lm_head go to AdamW)."""
     d, hd = c.hidden_size, c.head_dim
     attn = [(c.num_attention_heads, d, hd), (2 * c.num_key_value_heads, d, hd), (c.num_attention_heads, hd, d)]

@@ -112,7 +112,7 @@ def test_nll_and_lse_gradients_match_float64(mesh1):
 def test_chunked_nll_and_lse_match_float64(axes, spec, chunk_tokens):
     """Values and d/d logits (both cotangents non-zero) against float64 when the positions are upcast a few at a
     time, position counts not a multiple of the chunk, on one device and with the positions or the vocab sharded;
-    bf16 logits give bf16 gradients without an fp32 copy of the whole logits."""
+    bf16 logits give bf16 gradients (test_loss_never_holds_the_logits_in_fp32 checks that no fp32 copy exists)."""
     logits, labels, _ = _random_case(b=4, s=10, v=34, seed=5)
     g_nll, g_lse = np.random.default_rng(6).standard_normal((2, 4, 10)).astype(np.float32)
     mesh = sharding.make_mesh(axes, jax.devices()[:np.prod(list(axes.values()))])

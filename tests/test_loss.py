@@ -136,6 +136,13 @@ def test_chunked_nll_and_lse_match_float64(axes, spec, chunk_tokens):
     np.testing.assert_allclose(np.asarray(grad_bf16, np.float32), ref_bf16, rtol=1e-2, atol=1e-2)
 
 
+def test_chunks_fall_back_to_one_piece_without_a_near_divisor():
+    """8192 positions split into 2 chunks of 4096; 8191 (a prime: a scorer's 8192 - 1) has no divisor near that,
+    and thousands of one-position chunks would be a slow loop, so it is one piece; 8190 = 2 x 4095 splits in 2."""
+    assert [_chunks(jnp.zeros((1, s, 2)), 4096) for s in (8192, 8191, 8190, 4096)] == [2, 1, 2, 1]
+    assert _chunks(jnp.zeros((8, 4096, 2)), 4096) == 8  # the small preset's GPU batch: 8 chunks of 512 x 8 rows
+
+
 def _avals(jaxpr):
     """Every value a jaxpr computes, its sub-jaxprs' (loop bodies, custom VJPs, jit) included."""
     for eqn in jaxpr.eqns:

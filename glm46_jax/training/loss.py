@@ -112,13 +112,16 @@ def _label_logit(logits, labels):
 
 def _chunks(logits, chunk_tokens: int) -> int:
     """Into how many chunks the positions axis (the one before vocab) splits: the fewest that divide its length on
-    each device and leave at most `chunk_tokens` positions per device in a chunk."""
+    each device and leave at most `chunk_tokens` positions per device in a chunk. A length with no such divisor
+    near the ideal count (a prime, e.g. a scorer's 8191 = 8192 - 1 positions) is one chunk: a loop of thousands of
+    one-position chunks would cost more than the fp32 copy it saves."""
     if logits.ndim < 2:
         return 1
     layout, spec = _spec(logits)
     local = [d if layout.mesh.empty else d // _shards(layout, p) for d, p in zip(logits.shape[:-1], spec[:-1])]
     rows, per_row = local[-1], math.prod(local[:-1])
-    return next((n for n in range(1, rows + 1) if rows % n == 0 and rows // n * per_row <= chunk_tokens), max(rows, 1))
+    n = next((n for n in range(1, rows + 1) if rows % n == 0 and rows // n * per_row <= chunk_tokens), max(rows, 1))
+    return n if n <= 4 * math.ceil(rows * per_row / chunk_tokens) else 1
 
 
 # Chunk k holds positions k, k + n, k + 2n, ... of the axis: splitting it as [s / n, n] keeps its device layout on the

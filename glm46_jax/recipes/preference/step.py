@@ -62,7 +62,7 @@ def reply_logps(logp: Float[Array, "b s"], batch: Batch) -> tuple[Float[Array, "
 def token_logps(params: nnx.State, buffers: nnx.State, graphdef: nnx.GraphDef, batch: Batch) -> Float[Array, "b s"]:
     """log p(targets[t] | inputs[:t + 1]) per position, fp32, each model with its own router."""
     out = apply(graphdef, params, buffers, batch["inputs"], batch["positions"], batch["segment_ids"], with_mtp=False)
-    return -nll_and_lse(out.logits.astype(jnp.float32), batch["targets"])[0]
+    return -nll_and_lse(out.logits, batch["targets"])[0]  # upcast a chunk at a time inside
 
 
 def _masked_sums(values: dict[str, Array], mask: Array, pairs: Array) -> dict[str, Array]:

@@ -68,8 +68,9 @@ _GLM45_MESH = dict(data=-1, tensor=8, expert=2, context=8)
 _GLM45_AIR_MESH = dict(data=-1, tensor=4, expert=2, context=8)
 
 # preset -> overrides of the defaults in get_config. Only what differs. The presets with 32K+ phases use
-# blockwise attention (no [s, s] scores, any backend: docs/long_context.md#blockwise-attention); on GPUs
-# --config.model.attention_impl=cudnn is the flash-attention kernel where cuDNN supports the case.
+# blockwise attention (no [s, s] scores, any backend: docs/long_context.md#blockwise-attention) or "auto" (cuDNN's
+# causal flash attention on a GPU where it takes the case, else blockwise: docs/performance.md#attention); the big
+# ones split sequences over `context`, which only blockwise does.
 _PRESETS = {
     # ~2 min on a 2-core CPU including compile: 200 steps of 16 x 128 tokens (prose-heavy), then
     # 50 steps of 16 x 256 code-heavy rows, best-fit packed, at RoPE theta 1e6.
@@ -92,7 +93,7 @@ _PRESETS = {
         }),
     ),
     "small": dict(
-        model=dict(remat="save_matmuls", attention_impl="blockwise"),
+        model=dict(remat="save_matmuls", attention_impl="auto"),
         mesh=dict(data=-1),
         optim=dict(lr=1e-3, end_lr=1e-4, warmup_steps=500),
         data=dict(phases={

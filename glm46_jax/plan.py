@@ -36,7 +36,7 @@ from glm46_jax.config import ModelConfig
 from glm46_jax.model.counting import ParamCounts, flops_per_token, matmul_params_per_token, param_counts
 from glm46_jax.model.paths import LAYER_STACKS, path_names
 from glm46_jax.parallel import sharding
-from glm46_jax.parallel.activations import ActivationEstimate, activation_estimate
+from glm46_jax.model.activations import ActivationEstimate, activation_estimate
 from glm46_jax.training.optim import optimizer_group
 
 GiB = 1 << 30

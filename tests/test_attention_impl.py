@@ -247,7 +247,7 @@ def test_remat_keeps_the_blockwise_attention_forward():
 
 
 def test_activation_estimate_counts_the_kept_attention_output():
-    from glm46_jax.parallel.activations import activation_estimate
+    from glm46_jax.model.activations import activation_estimate
     mesh = {"data": 1, "tensor": 1, "expert": 1, "pipeline": 1, "context": 1}
     cfg = CFG.replace(attention_impl="blockwise", num_nextn_predict_layers=0)
     a, heads, q = 4, cfg.num_attention_heads, cfg.num_attention_heads * cfg.head_dim

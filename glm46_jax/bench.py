@@ -86,6 +86,22 @@ def synthetic_batch(rows: int, seq_len: int, vocab: int, seed: int, packed: bool
     return {k: np.stack([r[k] for r in out]) for k in out[0]}
 
 
+def interleave(calls: dict[str, Any], rounds: int, warmup: int = 0) -> dict[str, list[float]]:
+    """Seconds per call of each callable (each waits for its own work), `rounds` rounds of all of them, round r in
+    the order rotated by r."""
+    names = list(calls)
+    for _ in range(warmup):
+        for call in calls.values():
+            call()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 class PreparedStep:
     """The train step at one phase's shapes, its state and one batch on the devices, compiled once per named set
     of XLA compiler options (`jax.stages.Lowered.compile(compiler_options=...)`, e.g.
@@ -122,18 +138,11 @@ class PreparedStep:
 
     def interleave(self, steps: int, warmup: int, extra: dict[str, Any] | None = None) -> dict[str, list[float]]:
         """Seconds per step of every variant, run in turn A, B, A, B, ... (`extra`: more callables timed in the
-        same rounds, e.g. a matmul peak probe), so drift on the device hits each alike."""
+        same rounds, e.g. a matmul peak probe), so drift on the device hits each alike. Each round starts one
+        further along (A B P, B P A, P A B, ...): whatever runs just before a call (on the CPU a probe before the
+        step slowed it by a third) precedes every variant equally often."""
         calls = {name: (lambda name=name: self(name)) for name in self.executables} | (extra or {})
-        for _ in range(warmup):
-            for call in calls.values():
-                call()
-        times: dict[str, list[float]] = {name: [] for name in calls}
-        for _ in range(steps):
-            for name, call in calls.items():
-                t0 = time.perf_counter()
-                call()
-                times[name].append(time.perf_counter() - t0)
-        return times
+        return interleave(calls, steps, warmup)
 
     def result(self, times: list[float], variant: str = "default") -> dict[str, Any]:
         """bench()'s record of one variant's step times."""

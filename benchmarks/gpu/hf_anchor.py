@@ -8,15 +8,18 @@ JAX pre-allocates most of the GPU's memory and keeps it until its process exits)
 one (bf16 weights, fused AdamW), else on the CPU (fp32, unfused: bf16 matmuls on a CPU time nothing useful);
 sdpa attention, experts through `--experts` (grouped_mm: one grouped GEMM per projection), no activation
 checkpointing, no MTP (HF's model has no MTP layer). Step: forward on tokens[:, :-1], token-mean cross-entropy in
-fp32 against tokens[:, 1:], backward, clip_grad_norm_(1.0), AdamW (b 0.9/0.95, wd 0.1), zero_grad. Imports
-neither jax nor glm46_jax. Writes one JSON object (`--out`), also on failure ({"error": ...}).
+fp32 against tokens[:, 1:], backward, clip_grad_norm_(1.0), AdamW (b 0.9/0.95, wd 0.1), zero_grad. The
+worker imports neither jax nor glm46_jax (`launch`, which step.py calls, does). Writes one JSON object (`--out`),
+also on failure ({"error": ...}).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -103,6 +106,42 @@ def main(argv=None) -> int:
         json.dump(result, f, indent=2)
     print(json.dumps({k: v for k, v in result.items() if k != "times"}), flush=True)
     return 0
+
+
+# --- the launcher (runs in the benchmark's process; glm46_jax imported here only, never by the worker) ----------
+
+
+def launch(out_dir: str, python: str, steps: int, platform: str, cfg, timeout_s: float) -> dict:
+    """HF transformers on `cfg` (the HF-equivalent RunConfig) and the exact tokens of its first phase
+    (bench.random_tokens, which the HF-equivalent row trains on), this file run by `python` as a subprocess;
+    the result with its model FLOPs counted as ours are (counting.flops_per_token, no MTP layer)."""
+    import numpy as np
+
+    from glm46_jax.bench import random_tokens
+    from glm46_jax.config import to_hf_config
+    from glm46_jax.model.counting import flops_per_token
+
+    work = os.path.join(out_dir, "hf")
+    os.makedirs(work, exist_ok=True)
+    phase = cfg.data.curriculum.phases[0]
+    tokens = os.path.join(work, "tokens.npy")
+    np.save(tokens, random_tokens(phase.global_batch, phase.seq_len, cfg.model.vocab_size, cfg.train.seed))
+    with open(os.path.join(work, "config.json"), "w") as f:
+        json.dump(to_hf_config(cfg.model), f)
+    cmd = [python, os.path.abspath(__file__), "--config", os.path.join(work, "config.json"), "--tokens", tokens,
+           "--out", os.path.join(work, "hf.json"), "--steps", str(steps)] + (["--cpu"] if platform != "gpu" else [])
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+        sys.stdout.write(proc.stdout[-2000:] + proc.stderr[-2000:])
+    finally:
+        os.remove(tokens)  # 1 MiB at 8 x 4096 that the device tool need not bring back
+    with open(os.path.join(work, "hf.json")) as f:
+        out = json.load(f)
+    if "tokens_per_s" in out:
+        out["model_flops_per_token"] = flops_per_token(cfg.model.replace(num_nextn_predict_layers=0), phase.seq_len)
+        out["achieved_tflops"] = out["model_flops_per_token"] * out["tokens_per_s"] / 1e12
+    return out
 
 
 if __name__ == "__main__":

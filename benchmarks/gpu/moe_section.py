@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from glm46_jax.bench import interleave
 from glm46_jax.config import ModelConfig
 from glm46_jax.model.layers import MLP
 from glm46_jax.model.moe import MoE
@@ -145,25 +146,25 @@ def moe_section(model_cfg: ModelConfig, device, batch: int, seq_len: int, repeat
 def flag_ab(fn, args: tuple, flag_sets: dict[str, dict[str, Any]], rounds: int,
             probe: Callable[[], Any] | None = None) -> dict[str, Any]:
     """Compile jitted `fn` once per named set of XLA compiler options, then time them A, B, C, ... per round
-    (`probe`, e.g. the matmul peak, timed in the same rounds): per set the median ms and the ratio to the first
-    set's median, compile seconds."""
+    (`probe`, e.g. the matmul peak, timed in the same rounds; bench.interleave rotates each round's order): per set
+    the median ms and the ratio to the first set's median, compile seconds."""
     lowered = fn.lower(*args)
-    compiled, compile_s = {}, {}
+    compiled, compile_s, texts = {}, {}, {}
     for name, options in flag_sets.items():
         t0 = time.perf_counter()
         compiled[name] = lowered.compile(compiler_options=options or None)
         compile_s[name] = time.perf_counter() - t0
+        texts[name] = compiled[name].as_text()
         jax.block_until_ready(compiled[name](*args))
-    calls = {name: (lambda ex=ex: ex(*args)) for name, ex in compiled.items()}
+    calls = {name: (lambda ex=ex: jax.block_until_ready(ex(*args))) for name, ex in compiled.items()}
     if probe is not None:
         calls["matmul probe"] = probe
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(call())
-            times[name].append(time.perf_counter() - t0)
-    base = statistics.median(times[next(iter(flag_sets))])
+    times = interleave(calls, rounds)  # each round in a rotated order
+    first = next(iter(flag_sets))
+    base = statistics.median(times[first])
+    # An option that leaves the compiled program as it was did nothing here (its timing is then noise).
     return {name: {"median_ms": 1e3 * statistics.median(t), "min_ms": 1e3 * min(t),
                    "vs_first": statistics.median(t) / base, "compile_s": compile_s.get(name),
-                   "options": flag_sets.get(name)} for name, t in times.items()}
+                   "options": flag_sets.get(name),
+                   "hlo_differs_from_first": texts[name] != texts[first] if name in texts else None}
+            for name, t in times.items()}

@@ -1,8 +1,10 @@
-"""report.md from result.json (benchmarks/gpu/step.py writes both after every section), and the profile's top tables."""
+"""report.md from result.json (benchmarks/gpu/step.py writes both after every section), the profile's top tables,
+and the library versions the report names."""
 
 from __future__ import annotations
 
 import collections
+import importlib.metadata
 from typing import Any
 
 import hlo_trace
@@ -21,6 +23,24 @@ def top(ops: list[dict[str, Any]], instrs: dict[str, dict[str, Any]], steps: int
     keys = ("scope", "pass") if by == "scope" else ("hlo_op", "scope")
     return [{keys[0]: k[0], keys[1]: k[1], "ms_per_step": v / 1e3 / steps, "share": v / total if total else 0.0}
             for k, v in sorted(table.items(), key=lambda kv: -kv[1])[:n]]
+
+
+def library_versions() -> dict[str, Any]:
+    """cuDNN / cuBLAS / CUDA as jax's CUDA plugin reports them, and the nvidia-* pip packages ("n/a" on CPU)."""
+    out: dict[str, Any] = {}
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:
+        cuda_versions = None
+    for name in ("cudnn_get_version", "cublas_get_version", "cuda_runtime_get_version", "cuda_driver_get_version",
+                 "cupti_get_version"):
+        try:
+            out[name.replace("_get_version", "")] = getattr(cuda_versions, name)() if cuda_versions else "n/a"
+        except Exception as err:  # noqa: BLE001 - one missing query leaves the others
+            out[name.replace("_get_version", "")] = f"n/a ({type(err).__name__})"
+    out["nvidia_pip"] = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()
+                               if (d.metadata["Name"] or "").lower().startswith(("nvidia-", "jax-cuda")))
+    return out
 
 
 def _f(x, fmt="{:.1f}", none="—") -> str:
@@ -59,9 +79,11 @@ def markdown(r: dict[str, Any]) -> str:
     sv = r.get("step_variants")
     if sv:
         lines += ["", "Full step, XLA option sets interleaved in one process:", "",
-                  "| options | step ms | tokens/s | vs default | compile s |", "|---|---|---|---|---|"]
+                  "| options | step ms | tokens/s | vs default | compile s | command_buffer in HLO |",
+                  "|---|---|---|---|---|---|"]
         lines += [f"| {n} `{v['options']}` | {v['step_ms_median']:.1f} | {v['tokens_per_s']:,.0f} | "
-                  f"{v['vs_default']:.3f} | {v['compile_s']:.0f} |" for n, v in sv.items() if isinstance(v, dict)]
+                  f"{v['vs_default']:.3f} | {v['compile_s']:.0f} | {v.get('command_buffer_mentions', '—')} |"
+                  for n, v in sv.items() if isinstance(v, dict)]
     a = r.get("attention_hlo")
     if a:
         lines += ["", (f"Attention in the compiled step: **{'OK' if a['ok'] else 'NOT OK'}**: {a['why']} "
@@ -105,9 +127,10 @@ def markdown(r: dict[str, Any]) -> str:
                          f"{_f(x.get('per_trip_overhead_us'))} | "
                          f"{'{:.3g} / {:.3g}'.format(diff['output'], diff['grads']) if diff else 'reference'} |")
         if "flags" in m:
-            lines += ["", "MoE layer (loop), XLA option sets interleaved:", "", "| options | ms | vs default |",
-                      "|---|---|---|"]
-            lines += [f"| {n} | {v['median_ms']:.3f} | {v['vs_first']:.3f} |" for n, v in m["flags"].items()]
+            lines += ["", "MoE layer (loop), XLA option sets interleaved:", "",
+                      "| options | ms | vs default | compiled HLO differs from default's |", "|---|---|---|---|"]
+            lines += [f"| {n} | {v['median_ms']:.3f} | {v['vs_first']:.3f} | "
+                      f"{_f(v.get('hlo_differs_from_first'), '{}')} |" for n, v in m["flags"].items()]
     if r["skipped"]:
         lines += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in r["skipped"].items())]
     if r["errors"]:

@@ -28,7 +28,6 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -41,6 +40,7 @@ for path in (ROOT, HERE):  # run as a script from anywhere: the package is the c
         sys.path.insert(0, path)
 
 import components
+import hf_anchor
 import hlo_trace
 import jax
 import jax.numpy as jnp
@@ -48,9 +48,9 @@ import moe_section
 import report
 
 from glm46_jax import run_config
-from glm46_jax.bench import PreparedStep, git_commit, random_tokens
+from glm46_jax.bench import PreparedStep, git_commit
 from glm46_jax.cli import InputError
-from glm46_jax.config import ModelConfig, to_hf_config
+from glm46_jax.config import ModelConfig
 from glm46_jax.training import metrics
 
 CONFIG_FILE = os.path.join(ROOT, "configs", "pretrain.py")
@@ -168,67 +168,17 @@ def plan(argv=None, platform: str | None = None) -> tuple[argparse.Namespace, di
     return args, configs
 
 
-def library_versions() -> dict[str, Any]:
-    """cuDNN / cuBLAS / CUDA as jax's CUDA plugin reports them, and the nvidia-* pip packages ("n/a" on CPU)."""
-    out: dict[str, Any] = {}
-    try:
-        from jax._src.lib import cuda_versions
-    except ImportError:
-        cuda_versions = None
-    for name in ("cudnn_get_version", "cublas_get_version", "cuda_runtime_get_version", "cuda_driver_get_version",
-                 "cupti_get_version"):
-        try:
-            out[name.replace("_get_version", "")] = getattr(cuda_versions, name)() if cuda_versions else "n/a"
-        except Exception as err:  # noqa: BLE001 - one missing query leaves the others
-            out[name.replace("_get_version", "")] = f"n/a ({type(err).__name__})"
-    out["nvidia_pip"] = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()
-                               if (d.metadata["Name"] or "").lower().startswith(("nvidia-", "jax-cuda")))
-    return out
-
-
 # --- sections ------------------------------------------------------------------------------------------------
 
 
-def hf_section(args, cfg) -> dict[str, Any]:
-    """HF transformers on the HF-equivalent config and its exact tokens, in a subprocess (see hf_anchor.py)."""
-    work = os.path.join(args.out, "hf")
-    os.makedirs(work, exist_ok=True)
-    phase = cfg.data.curriculum.phases[0]
-    import numpy as np
-    np.save(os.path.join(work, "tokens.npy"), random_tokens(phase.global_batch, phase.seq_len,
-                                                            cfg.model.vocab_size, cfg.train.seed))
-    with open(os.path.join(work, "config.json"), "w") as f:
-        json.dump(to_hf_config(cfg.model), f)
-    cmd = [args.hf_python, os.path.join(HERE, "hf_anchor.py"), "--config", os.path.join(work, "config.json"),
-           "--tokens", os.path.join(work, "tokens.npy"), "--out", os.path.join(work, "hf.json"),
-           "--steps", str(args.hf_steps)] + (["--cpu"] if args.platform != "gpu" else [])
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=ESTIMATE_S["hf"] + 60, check=False)
-    sys.stdout.write(proc.stdout[-2000:] + proc.stderr[-2000:])
-    with open(os.path.join(work, "hf.json")) as f:
-        out = json.load(f)
-    os.remove(os.path.join(work, "tokens.npy"))  # 1 MiB that the device tool need not bring back
-    if "tokens_per_s" in out:
-        per_token = run_flops_per_token(cfg)
-        out["model_flops_per_token"] = per_token
-        out["achieved_tflops"] = per_token * out["tokens_per_s"] / 1e12
-    return out
-
-
-def run_flops_per_token(cfg) -> int:
-    """Model FLOPs per token of the step `cfg` trains (bench.PreparedStep.result's count)."""
-    from glm46_jax.model.counting import flops_per_token
-    seq = cfg.data.curriculum.phases[0].seq_len
-    c = cfg.model if cfg.loss.mtp else cfg.model.replace(num_nextn_predict_layers=0)
-    return flops_per_token(c, seq)
-
-
-def matmul_probe(size: int, dtype: str, device):
-    """A jitted size^3 matmul on `device` and its FLOPs: timed in the same rounds as the variants it sits beside."""
-    a = jax.device_put(jnp.ones((size, size), dtype), device)
-    f = jax.jit(lambda a: a @ a)
+def matmul_probe(size: int, dtype: str, device, chain: int = 8):
+    """`chain` size^3 matmuls in one jitted call on `device` and their FLOPs: timed in the same rounds as the
+    variants it sits beside (a chain, so the host's launch and wait are a small part of the call). All entries are
+    1 / size, so x @ a = a: the values stay finite however long the chain."""
+    a = jax.device_put(jnp.full((size, size), 1.0 / size, dtype), device)
+    f = jax.jit(lambda a: jax.lax.fori_loop(0, chain, lambda _, x: x @ a, a))
     jax.block_until_ready(f(a))
-    return (lambda: jax.block_until_ready(f(a))), 2 * size ** 3
+    return (lambda: jax.block_until_ready(f(a))), chain * 2 * size ** 3
 
 
 def step_variants(platform: str) -> dict[str, dict[str, Any]]:
@@ -280,6 +230,9 @@ def step_section(args, device, result, save) -> PreparedStep:
     s = rows["default"]
     log(f"  {s['tokens_per_s']:,.0f} tokens/s, MFU {s['mfu_vs_datasheet_989']:.1%} of 989, peak memory "
         f"{s['peak_memory_gib']:.2f} GiB; " + ", ".join(f"{n}: {r['tokens_per_s']:,.0f}" for n, r in rows.items()))
+    for name, executable in step.executables.items():  # did the options take? XLA outlines command buffers
+        text = executable.as_text()                       # into computations named command_buffer*
+        result["step_variants"][name]["command_buffer_mentions"] = text.count("command_buffer")
     hlo = step.executables["default"].as_text()
     result["attention_hlo"] = hlo_trace.attention_calls(hlo)
     with gzip.open(os.path.join(args.out, "step_hlo.txt.gz"), "wt") as f:
@@ -382,13 +335,14 @@ def main(argv=None) -> dict[str, Any]:
             save()
 
     _, configs = plan(argv)  # every configuration validated before anything runs
-    hf = section("hf", hf_section, args, configs["hf_equivalent"])
+    hf = section("hf", hf_anchor.launch, args.out, args.hf_python, args.hf_steps, args.platform,
+                 configs["hf_equivalent"], ESTIMATE_S["hf"] + 60)
     if hf is not None:
         result["hf_transformers"] = hf
 
     device = jax.devices("cpu")[0] if args.cpu else jax.devices()[0]
     result.update(device=device.device_kind, platform=device.platform, devices_visible=jax.device_count(),
-                  libraries=library_versions())
+                  libraries=report.library_versions())
     if device.platform != args.platform:
         result["errors"]["platform"] = f"expected {args.platform} (from /dev/nvidiactl), JAX found {device.platform}"
     if device.platform != "gpu":

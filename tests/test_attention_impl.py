@@ -197,6 +197,23 @@ def test_a_row_of_too_many_documents_turns_nan(monkeypatch):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_host_check_refuses_rows_of_too_many_documents(monkeypatch):
+    """Before a batch reaches a GPU whose attention resolves to cudnn, a row of more than CUDNN_MAX_SEGMENTS documents
+    is an InputError naming the fix (on the device it would turn NaN); exactly the limit passes, and nothing is
+    refused where the attention is blockwise (a CPU, or a context split)."""
+    monkeypatch.setattr(cudnn_api, "check_compute_capability", lambda _: True)
+    auto = dataclasses.replace(CFG, dtype="bfloat16", attention_impl="auto")
+    s = 4 * CUDNN_MAX_SEGMENTS
+    at_limit = np.repeat(np.arange(CUDNN_MAX_SEGMENTS), 4)[None]  # 32 runs of 4
+    over = np.concatenate([at_limit[:, :-1], [[0]]], axis=1)  # the last token a 33rd run (an id recurring is a run)
+    attention.check_documents_fit(auto, np.concatenate([at_limit, at_limit]), platform="gpu", context=1)
+    with pytest.raises(InputError, match=f"packs {CUDNN_MAX_SEGMENTS + 1} documents.*attention_impl=blockwise"):
+        attention.check_documents_fit(auto, np.stack([at_limit, over])[:, 0].reshape(1, 2, s), platform="gpu",
+                                      context=1)
+    attention.check_documents_fit(auto, over, platform="cpu", context=1)
+    attention.check_documents_fit(auto, over, platform="gpu", context=2)
+
+
 def _fmha_calls(remat: str, packed: bool, monkeypatch, mesh_shape=None) -> list[tuple[str, str]]:
     """(custom-call target, backend config) of every cuDNN attention call in the tiny model's loss gradient,
     lowered for CUDA on this CPU machine with attention_impl="auto" as it resolves on a Hopper GPU."""

@@ -7,10 +7,12 @@ import logging
 import einops
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention_api
 from jaxtyping import Array, Bool, Float, Int
 
+from glm46_jax.cli import InputError
 from glm46_jax.config import ModelConfig
 from glm46_jax.model.adapters import adapted
 from glm46_jax.model.blockwise_attention import blockwise_attention
@@ -78,6 +80,20 @@ def self_attention_mask(cfg: ModelConfig, segment_ids: Int[Array, "b s"] | None,
     if context_size() > 1:  # sharding.validate_mesh says this to a user; this is for direct callers
         raise ValueError(f"attention_impl={cfg.attention_impl!r} cannot split a sequence over the context axis")
     return attention_mask(segment_ids, seq_len)
+
+
+def check_documents_fit(cfg: ModelConfig, segment_ids, *, platform: str, context: int) -> None:
+    """On the host, before a batch goes to the devices: refuse rows that pack more documents than cuDNN's packed
+    layout takes, where `cfg`'s attention resolves to cudnn (on the device those rows would turn NaN and their
+    steps be skipped). Counts runs of equal ids, as `segment_layout` does; any leading axes are rows too."""
+    if resolved_attention_impl(cfg, context=context, platform=platform, packed=True) != "cudnn":
+        return
+    ids = np.asarray(segment_ids)
+    most = 1 + int(np.count_nonzero(np.diff(ids, axis=-1), axis=-1).max(initial=0))
+    if most > CUDNN_MAX_SEGMENTS:
+        raise InputError(f"a batch row packs {most} documents; cuDNN attention takes at most {CUDNN_MAX_SEGMENTS} "
+                         "per row (attention.CUDNN_MAX_SEGMENTS): set --config.model.attention_impl=blockwise, "
+                         "or pack fewer, longer documents per row")
 
 
 def segment_layout(segment_ids: Int[Array, "b s"], max_segments: int

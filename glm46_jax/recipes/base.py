@@ -21,6 +21,7 @@ from absl import logging
 
 from glm46_jax.config import ModelConfig
 from glm46_jax.data import loader
+from glm46_jax.model.attention import check_documents_fit
 from glm46_jax.model.counting import flops_per_token
 from glm46_jax.parallel import distributed
 from glm46_jax.run_config import RunConfig
@@ -175,6 +176,9 @@ class LanguageModeling(RecipeBase):
                             max_loss)
 
     def device_batch(self, local: Mapping[str, np.ndarray], *, train: bool = True) -> dict[str, jax.Array]:
+        if "segment_ids" in local:  # cuDNN's packed attention has a documents-per-row limit: refuse here, not NaN
+            check_documents_fit(self.cfg.model, local["segment_ids"], platform=self.mesh.devices.flat[0].platform,
+                                context=self.mesh.shape.get("context", 1))
         return loader.to_global(local, self.mesh, accum_steps=self.cfg.train.accum_steps if train else 1,
                                 global_rows=self.global_rows)
 

@@ -195,21 +195,24 @@ def moe_flag_sets(platform: str) -> dict[str, dict[str, Any]]:
 def step_section(args, device, result, save) -> PreparedStep:
     """The default step, compiled with default options and with command buffers off, timed interleaved."""
     probe, probe_flops = matmul_probe(args.matmul_size, args.matmul_dtype, device)
-    batch, step = args.batch, None
-    while step is None:
+    batch, times = args.batch, None
+    while times is None:
         cfg = run_config_for(args, batch)
         log(f"train step: {args.preset}, {batch} x {args.seq_len} tokens{' packed' if args.packed else ''}, "
             f"{cfg.model.dtype}, {cfg.model.attention_impl} attention, remat {cfg.model.remat}, moe "
             f"{getattr(cfg.model, 'moe_impl', 'loop')} (block {cfg.model.moe_block_size})")
-        try:
+        step = None
+        try:  # out of memory when compiling or when running: half the rows, the failure kept
             step = PreparedStep(cfg, [device], packed=args.packed, variants=step_variants(args.platform))
+            times = step.interleave(args.steps, args.warmup, extra={"matmul probe": probe})
         except Exception as err:
             if not is_oom(err) or batch == 1:
                 raise
             result["errors"].setdefault("train_step_oom", []).append(f"batch {batch}: {str(err).splitlines()[0]}")
+            del step
+            gc.collect()
             batch //= 2
             log(f"  out of memory; retrying with batch {batch}")
-    times = step.interleave(args.steps, args.warmup, extra={"matmul probe": probe})
     peak = probe_flops / statistics.median(times.pop("matmul probe"))
     rows = {}
     for name, t in times.items():
@@ -374,7 +377,8 @@ def main(argv=None) -> dict[str, Any]:
     def moe():
         cfg = run_config_for(args)
         probe, _ = matmul_probe(args.matmul_size, args.matmul_dtype, device)
-        return moe_section.moe_section(cfg.model, device, args.batch, args.seq_len, args.moe_repeats,
+        rows = result.get("train_step", {}).get("global_batch", args.batch)  # the step's, if it had to halve
+        return moe_section.moe_section(cfg.model, device, rows, args.seq_len, args.moe_repeats,
                                        moe_flag_sets(device.platform),
                                        args.flag_rounds, probe)
     m = section("moe", moe)

@@ -105,10 +105,13 @@ def component_flops(c, batch: int, seq_len: int, mtp: bool = True, ns_steps: int
     expert = (c.num_experts_per_tok) * 3 * d * c.moe_intermediate_size
     shared = c.n_shared_experts * 3 * d * c.moe_intermediate_size
     moe_rest = shared + c.n_routed_experts * d  # shared expert + router
-    mtp_layer = n_mtp * (6 * t * (proj + expert + moe_rest + 2 * d * d) + 3 * core_fwd)
+    # The cuDNN calls of every attention site (the MTP layer's too) are the attention rows; the MTP row is the
+    # rest of its layer (eh_proj, projections, experts).
+    sites = layers + n_mtp
+    mtp_layer = n_mtp * 6 * t * (proj + expert + moe_rest + 2 * d * d)
     out = {
-        "attention fwd": layers * core_fwd, "attention fwd (recompute)": layers * core_fwd,
-        "attention bwd": 2 * layers * core_fwd, "attention projections + rest": 6 * t * proj * layers,
+        "attention fwd": sites * core_fwd, "attention fwd (recompute)": sites * core_fwd,
+        "attention bwd": 2 * sites * core_fwd, "attention projections + rest": 6 * t * proj * layers,
         "expert GEMMs": 6 * t * expert * c.num_moe_layers,
         "heads (lm_head + MTP head)": 6 * t * c.vocab_size * d * (1 + n_mtp),
         "MTP layer": mtp_layer,

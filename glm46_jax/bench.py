@@ -29,7 +29,6 @@ from ml_collections import config_flags
 
 from glm46_jax import cli, run_config
 from glm46_jax.cli import InputError
-from glm46_jax.model import counting
 from glm46_jax.parallel import sharding
 from glm46_jax.recipes import pretrain
 from glm46_jax.run_config import RunConfig
@@ -151,8 +150,6 @@ class PreparedStep:
         tokens = self.rows * self.seq_len
         step_s = float(np.median(times))
         per_token = self.run.flops_per_token(phase)
-        if not cfg.loss.mtp:  # the MTP layer exists but never runs: its FLOPs are not the step's
-            per_token = counting.flops_per_token(cfg.model.replace(num_nextn_predict_layers=0), self.seq_len)
         return {
             "preset": cfg.source.get("model", {}).get("preset", "?"), "device": f"{len(devs)} x {devs[0].device_kind}",
             "commit": git_commit(), "phase": phase.name, "global_batch": self.rows, "seq_len": self.seq_len,

@@ -42,7 +42,7 @@ def test_gpu_run_configuration_builds_and_validates():
     assert (args.preset, args.batch, args.seq_len, args.packed) == ("small", 8, 4096, True)
     assert s.model.dtype == "bfloat16" and s.model.attention_impl in ("auto", "cudnn")
     assert s.model.moe_capacity_factor == 0.0 and s.model.moe_block_size == 4096
-    assert getattr(s.model, "moe_impl", "auto") == "auto"
+    assert s.model.moe_impl == "auto"
     assert s.mesh.sizes() == {a: 1 for a in s.mesh.sizes()} and s.train.accum_steps == 1
     phase = s.data.curriculum.phases[0]
     assert (phase.global_batch, phase.seq_len) == (8, 4096)

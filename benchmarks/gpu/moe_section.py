@@ -10,7 +10,6 @@ width. The loop's padded rows and trip count come from the routing's expert load
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -26,12 +25,6 @@ from glm46_jax.config import ModelConfig
 from glm46_jax.model.layers import MLP
 from glm46_jax.model.moe import MoE
 from glm46_jax.parallel import sharding
-
-
-def moe_impls() -> tuple[str, ...]:
-    """The implementations this checkout's config can name (none: only today's loop, unnamed)."""
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ("loop", "grouped") if "moe_impl" in names else ("loop",)
 
 
 def loop_layout(load: np.ndarray, block: int, group: int) -> dict[str, int]:
@@ -84,8 +77,8 @@ def moe_section(model_cfg: ModelConfig, device, batch: int, seq_len: int, repeat
                                       "block": c.moe_block_size, "group": c.moe_block_group},
                            "impls": {}}
     with sharding.use_mesh(mesh):
-        impls = moe_impls()
-        layers = {name: MoE(c.replace(moe_impl=name) if len(impls) > 1 else c, rngs=nnx.Rngs(0)) for name in impls}
+        impls = ("loop", "grouped")  # model.moe_impl's two; "auto" is one of them
+        layers = {name: MoE(c.replace(moe_impl=name), rngs=nnx.Rngs(0)) for name in impls}
         _, params, _ = nnx.split(layers["loop"], nnx.Param, ...)  # every implementation gets the loop's weights
 
         def fns(layer):

@@ -50,7 +50,6 @@ import report
 from glm46_jax import run_config
 from glm46_jax.bench import PreparedStep, git_commit
 from glm46_jax.cli import InputError
-from glm46_jax.config import ModelConfig
 from glm46_jax.training import metrics
 
 CONFIG_FILE = os.path.join(ROOT, "configs", "pretrain.py")
@@ -78,22 +77,12 @@ def is_oom(err: BaseException) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
-def accepts(field: str, value: Any) -> bool:
-    """Whether this checkout's ModelConfig admits `field=value` (fields other helpers add land at any time)."""
-    try:
-        ModelConfig().replace(**{field: value})
-        return True
-    except (InputError, TypeError):
-        return False
-
-
 # --- settings ------------------------------------------------------------------------------------------------
 
 
 def defaults(platform: str) -> dict[str, Any]:
     """The GPU run (small, bf16, 8 x 4096) or the CPU fallback (tiny, fp32, 2 x 32, a few short rows)."""
-    auto = "auto" if accepts("attention_impl", "auto") else ("cudnn" if platform == "gpu" else "xla")
-    common = {"attention": auto, "moe_impl": "auto" if accepts("moe_impl", "auto") else None}
+    common = {"attention": "auto", "moe_impl": "auto"}  # cuDNN causal and grouped GEMMs on a GPU where they run
     if platform != "gpu":
         return {**common, "preset": "tiny", "dtype": "float32", "batch": 2, "seq_len": 32, "steps": 2, "warmup": 1,
                 "profile_steps": 1, "moe_repeats": 2, "flag_rounds": 1, "matmul_size": 512,
@@ -137,8 +126,7 @@ def run_config_for(args, batch: int | None = None, hf_equivalent: bool = False):
     config.mesh = {"data": 1, "tensor": 1, "expert": 1, "pipeline": 1}
     config.model.dtype = args.dtype
     config.model.attention_impl = args.attention
-    if args.moe_impl:
-        config.model.moe_impl = args.moe_impl
+    config.model.moe_impl = args.moe_impl
     config.model.moe_capacity_factor = 0.0  # dropless, as GLM-4.5 trains
     config.model.moe_block_size = args.moe_block
     if args.moe_group:  # dropless blocks per loop step; unset: the model's default

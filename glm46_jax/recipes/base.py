@@ -67,7 +67,10 @@ class RecipeBase:
         return self.main.config
 
     def flops_per_token(self, segment: Any) -> float:
-        return flops_per_token(self.model_for(segment), segment.seq_len)
+        model = self.model_for(segment)
+        if not self.cfg.loss.mtp:  # the MTP layer exists but never runs: its FLOPs are not the step's
+            model = model.replace(num_nextn_predict_layers=0)
+        return flops_per_token(model, segment.seq_len)
 
     def describe(self, segment: Any) -> dict[str, float]:
         return {"seq_len": segment.seq_len}

@@ -113,7 +113,8 @@ VENV_JAX_MIN  := .venv-jax011
 PY_JAX_MIN    := $(VENV_JAX_MIN)/bin/python
 JAX_MIN_PKGS  ?= jax==0.11.2 jaxlib==0.11.2 flax==0.12.10
 JAX_MIN_TESTS ?= tests/test_model.py tests/test_hf_parity.py tests/test_sharding.py tests/test_train_step.py \
-                 tests/test_loss.py tests/test_optim.py tests/test_generate.py tests/test_gpu_bench.py
+                 tests/test_loss.py tests/test_optim.py tests/test_generate.py tests/test_gpu_bench.py \
+                 tests/test_attention_impl.py tests/test_grouped_gemm.py
 JAX_MIN_DESELECT ?=
 
 $(VENV_JAX_MIN)/.installed: pyproject.toml

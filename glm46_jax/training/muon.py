@@ -67,7 +67,7 @@ def newton_schulz(x: jax.Array, dtype: Any = jnp.float32, steps: int = 5, coeffs
     `dtype` inputs and accumulates in fp32; each polynomial is summed in fp32 and rounded once, each iterate is
     stored in `dtype` (as Keller Jordan's muon.py does; an fp32 iterate measured no more accurate), the last
     one returned unrounded. optax's `orthogonalize_via_newton_schulz` computes in its input's dtype (every
-    product rounded: 2.4x this error in bf16) and merges the batch axes into one, hence this function.
+    product rounded: 2.4x this error in bf16), hence this function.
     """
     a, b, c = coeffs
     tall = x.shape[-2] > x.shape[-1]
@@ -85,13 +85,15 @@ def newton_schulz(x: jax.Array, dtype: Any = jnp.float32, steps: int = 5, coeffs
 
 
 def _matrices(x: jax.Array, dims: MDN):
-    """x as [*batch axes, fan_in, fan_out] (batch axes kept apart, so their sharding stays), and the inverse."""
+    """x as [batch, fan_in, fan_out], every batch axis merged into one (as optax does), and the inverse. Kept
+    apart, the batch axes of a pipeline-staged, expert-sharded leaf gave XLA:CPU a partitioned program whose
+    collectives deadlocked (tests/test_pipeline.py); `sharded_update` pins the result's layout either way."""
     red = tuple(a % x.ndim for a in _axes(dims.reduction_axis))
     out = tuple(a % x.ndim for a in _axes(dims.output_axis))
     batch = tuple(a for a in range(x.ndim) if a not in red + out)
     perm = batch + red + out
     moved = tuple(x.shape[a] for a in perm)
-    shape = moved[:len(batch)] + (math.prod(x.shape[a] for a in red), math.prod(x.shape[a] for a in out))
+    shape = (math.prod(moved[:len(batch)]), math.prod(x.shape[a] for a in red), math.prod(x.shape[a] for a in out))
     inverse = lambda m: m.reshape(moved).transpose(tuple(perm.index(a) for a in range(x.ndim)))  # noqa: E731
     return x.transpose(perm).reshape(shape), inverse
 

@@ -9,6 +9,7 @@ remains is the kernels' bf16 intermediates (gate, up, h, outputs), bounded at 2%
 
 import dataclasses
 import re
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ from test_experts import _routing, numpy_moe
 
 from glm46_jax.cli import InputError
 from glm46_jax.config import TINY
-from glm46_jax.model import grouped_gemm
+from glm46_jax.model import abstract_model, apply, grouped_gemm, init_model
 from glm46_jax.model.experts import dropless_experts, dropless_impl, dropless_stats
 from glm46_jax.model.grouped_gemm import (
     grouped_dropless,
@@ -237,3 +238,78 @@ def test_impl_choice_and_stats():
     # The loop at block 64, group 2: e0 1 block, e2 3 blocks, e3 1 block = 5 blocks = 320 rows; 3 trips.
     stats = dropless_stats(idx, 4, 12, 6, jnp.float32, block=64, group=2, impl="loop")
     assert stats["impl"] == "loop" and int(stats["padded_rows"]) == 320 - 134 and int(stats["trips"]) == 3
+
+
+def _model_kernel_calls(remat: str, monkeypatch, mesh_shape=None) -> Counter:
+    """The tiny model's (d 128, f 64, bf16, moe_impl="grouped") loss gradient lowered for CUDA on this CPU machine,
+    the kernels pretended runnable: its Mosaic-GPU calls, by kind, told apart by operand shapes (d != f)."""
+    monkeypatch.setattr(grouped_gemm, "kernel_device", lambda: True)
+    cfg = dataclasses.replace(TINY, vocab_size=128, hidden_size=128, moe_intermediate_size=64, dtype="bfloat16",
+                              attention_impl="xla", moe_impl="grouped", remat=remat)
+    mesh_shape = mesh_shape or {"data": 1}
+    mesh = sharding.make_mesh(mesh_shape, jax.devices()[:int(np.prod(list(mesh_shape.values())))])
+    graphdef, params, buffers = abstract_model(cfg, mesh)
+    rows = jax.ShapeDtypeStruct((4, 32), jnp.int32)  # 128 tokens, top-2: >= one 128-row tile on every shard
+
+    def loss(p, b, tokens):
+        out = apply(graphdef, p, b, tokens)
+        return out.logits.astype(jnp.float32).mean() + out.mtp_logits.astype(jnp.float32).mean()
+    with sharding.use_mesh(mesh):
+        text = jax.jit(jax.grad(loss)).trace(params, buffers, rows).lower(lowering_platforms=("cuda",)).as_text()
+    d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts // mesh_shape.get("expert", 1)
+    kinds = {(f"{d}xbf16", f"{e}x{d}x{f}xbf16"): "gate/up", (f"{f}xbf16", f"{e}x{f}x{d}xbf16"): "down",
+             (f"{d}xbf16", f"{e}x{f}x{d}xbf16"): "dh", (f"{2 * f}xbf16", f"{e}x{d}x{2 * f}xbf16"): "dx"}
+    calls = Counter()
+    for line in text.splitlines():
+        if "custom_call @mosaic_gpu" in line:
+            operands = re.findall(r"tensor<([\dx]+\w+)>", line.split(" : ")[-1].split("->")[0])
+            # lhs [rows, K] and rhs [E, K, N] of a grouped GEMM; the weight-gradient GEMMs take 7 operands
+            key = (operands[-2].split("x", 1)[1], operands[-1]) if len(operands) == 3 else None
+            calls[kinds.get(key, "weight grad" if len(operands) == 7 else "other")] += 1
+    return calls
+
+
+@pytest.mark.parametrize("remat, mesh_shape", [("none", None), ("save_matmuls", None), ("full", None),
+                                               ("save_matmuls", {"data": 2, "expert": 2})])
+def test_save_matmuls_runs_no_forward_grouped_gemm_again(monkeypatch, remat, mesh_shape):
+    """One forward per MoE site (the MoE stack's scan body and the MTP layer): 2 gate/up and 1 down GEMMs each, and
+    the backward's 4. save_matmuls keeps the grouped path's gate/up (and the MTP layer's routed output, which its
+    final norm's backward reads), so its backward runs none of the forward GEMMs again; "full", which keeps none of
+    them, re-runs gate and up at both sites and the MTP layer's down."""
+    calls = _model_kernel_calls(remat, monkeypatch, mesh_shape)
+    again = {"full": {"gate/up": 4, "down": 1}}.get(remat, {})
+    assert calls == {"gate/up": 4 + again.get("gate/up", 0), "down": 2 + again.get("down", 0), "dh": 2, "dx": 2,
+                     "weight grad": 4}, calls
+
+
+def test_remat_policies_give_the_grouped_path_the_same_gradients(mesh1):
+    """What the policies keep of the grouped path (gate/up, the MTP layer's routed output) is what the backward
+    would have recomputed: the tiny model's gradients (XLA's GEMMs, fp32, MTP in the loss) agree across policies."""
+    cfg = dataclasses.replace(TINY, vocab_size=128, moe_impl="grouped")
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 8)), jnp.int32)
+    grads = []
+    for remat in ("none", "full", "save_matmuls"):
+        graphdef, params, buffers = init_model(cfg.replace(remat=remat), mesh1, seed=5)
+
+        def loss(p, b, graphdef=graphdef):
+            out = apply(graphdef, p, b, tokens)
+            return out.logits.astype(jnp.float32).std() + out.mtp_logits.astype(jnp.float32).std()
+        with sharding.use_mesh(mesh1):
+            grads.append(jax.jit(jax.grad(loss))(params, buffers))
+    for other in grads[1:]:
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), grads[0], other)
+
+
+def test_activation_estimate_counts_the_kept_gate_up():
+    """The grouped path keeps gate and up (bf16, f = 32) for each of the 4 GEMM rows per token an allgather over 2
+    expert shards hands a shard (2 shards x top-2), with none and save_matmuls, in the 2 scanned MoE layers and
+    the MTP layer: 2 x 4 x 32 x 2 B = 512 B per token and layer more than the loop; not with full."""
+    from glm46_jax.model.activations import activation_estimate
+    mesh = {"data": 1, "tensor": 1, "expert": 2, "pipeline": 1, "context": 1}
+    cfg = TINY.replace(dtype="bfloat16", moe_dispatch="allgather")
+    assert (cfg.num_moe_layers, cfg.num_nextn_predict_layers, cfg.moe_intermediate_size) == (2, 1, 32)
+    for remat, kept in (("none", 512), ("save_matmuls", 512), ("full", 0)):
+        grouped, loop = (activation_estimate(cfg.replace(moe_impl=impl), mesh, 1, 64, remat)
+                         for impl in ("grouped", "loop"))
+        assert grouped.saved_layers - loop.saved_layers == 64 * 2 * kept, remat
+        assert grouped.mtp - loop.mtp == 64 * kept, remat

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Bool, Float, Int
@@ -337,8 +338,10 @@ def _grouped_swiglu_fwd(x, wg, wu, wd, w_nk, layout: SortedLayout, backend: str)
     xs = x[layout.row_token]  # permute once
     gate = _routed(_ragged(xs, wg, gs, backend), layout)
     up = _routed(_ragged(xs, wu, gs, backend), layout)
+    # gate and up are kept (2 [a, f] buffers) rather than recomputed: on a GPU two more GEMMs cost more. Named for
+    # the save_matmuls remat policy, which keeps them: its backward then runs no forward GEMM again.
+    gate, up = checkpoint_name(gate, "experts_gate_up"), checkpoint_name(up, "experts_gate_up")
     out = _ragged(jax.nn.silu(gate) * up, wd, gs, backend)
-    # gate and up are kept (2 [a, f] buffers) rather than recomputed: on a GPU two more GEMMs cost more.
     return _combine(out, layout, w_nk), (x, wg, wu, wd, w_nk, gate, up, layout)
 
 

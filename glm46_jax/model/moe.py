@@ -11,6 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from glm46_jax.config import ModelConfig
@@ -199,6 +200,9 @@ class MoE(nnx.Module):
                 replay = {"replay_differs": unflatten_tokens(replay_differs(natural, idx), b, s)}
         routed, dropped, load = dispatch(
             x_nd, idx, weights, adapted(self, "gate_proj"), adapted(self, "up_proj"), adapted(self, "down_proj"), cfg)
+        # Named for the save_matmuls remat policy: kept only where a backward reads it (the MTP layer's final norm),
+        # which would otherwise re-run the routed experts' forward.
+        routed = checkpoint_name(routed, "experts_out")
         with jax.named_scope("shared_expert"):
             shared = self.shared_experts(x)
         y = constrain(unflatten_tokens(routed, b, s), "batch", "seq", "act_embed") + shared

@@ -66,8 +66,15 @@ def _keeping_attention(policy=None):
 
 
 _REMAT_POLICIES = {
-    "full": _keeping_attention(),  # recompute the whole layer but its attention forward
-    "save_matmuls": _keeping_attention(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+    # Recompute the whole layer but its attention forward. The grouped experts' gate/up are not kept: 2 k f values
+    # per token, times the expert shards with allgather (docs/performance.md#dropless-experts), several times the
+    # layer input this policy keeps.
+    "full": _keeping_attention(),
+    # Plus the grouped experts' gate/up (model/grouped_gemm.py) and the routed experts' output (model/moe.py; only
+    # the MTP layer's final norm reads it): the backward runs no forward expert GEMM again.
+    "save_matmuls": _keeping_attention(jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names("experts_gate_up", "experts_out"))),
 }
 
 

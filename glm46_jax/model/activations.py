@@ -12,6 +12,7 @@ import numpy as np
 
 from glm46_jax.config import ModelConfig
 from glm46_jax.model.attention import CUDNN_MAX_SEGMENTS, resolved_attention_impl
+from glm46_jax.model.experts import dropless_impl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,13 @@ def _moe_buffers_per_token(cfg: ModelConfig, mesh: Mapping[str, int], a: int) ->
     return routed + exchange
 
 
+def _grouped_rows_per_token(cfg: ModelConfig, mesh: Mapping[str, int]) -> int:
+    """Rows of the grouped experts' GEMMs per local token: every assignment the dispatch hands this shard, routed
+    here or not (allgather: the expert group's tokens x k; alltoall: the receive buffer's slots)."""
+    k, e, ep = cfg.num_experts_per_tok, cfg.n_routed_experts, mesh["expert"]
+    return ep * k if cfg.moe_dispatch == "allgather" else ep * min(k, e // ep)
+
+
 def activation_estimate(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_batch: int, seq_len: int,
                         remat: str | None = None) -> ActivationEstimate:
     """Activation bytes per device for `micro_batch` sequences of `seq_len` tokens on each batch shard, each
@@ -80,11 +88,15 @@ def activation_estimate(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_b
     Saved per scanned layer, by remat policy:
       none          all of it
       save_matmuls  layer input + outputs of matmuls without batch dims (q/k/v, o_proj, dense and
-                    shared FFN gate/up/down, fp32 router logits); routed experts and attention recompute
+                    shared FFN gate/up/down, fp32 router logits); routed experts and attention recompute,
+                    but for the grouped experts' gate/up (below) and the MTP layer's routed output (a H)
       full          the layer input (a * H) only
     and with both, for cudnn and blockwise, the attention output and its log-sum-exp (a * q + the
     log-sum-exps above): the policies keep them, so the backward never re-runs the attention forward.
-    "auto" is counted as what it resolves to on the platform this runs on.
+    "auto" is counted as what it resolves to on the platform this runs on. The grouped dropless experts
+    (moe_impl, resolved likewise) hold their gate and up, 2 f_moe a per row of their GEMMs,
+    `_grouped_rows_per_token` rows per token, and keep them with none and save_matmuls
+    (docs/performance.md#dropless-experts).
     plus, with save_matmuls / full, one layer rebuilt for its backward. The MTP layer follows the
     same policy as the trunk (saved like one more MoE layer; its rebuild is the trunk's MoE rebuild);
     its inputs take 7 a H more, the embedding output and final norm 2 a H.
@@ -106,8 +118,14 @@ def activation_estimate(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_b
     f = -(-cfg.intermediate_size // tp)
     fs = -(-cfg.shared_intermediate_size // tp)
     routed = _moe_buffers_per_token(cfg, mesh_sizes, a)
-
     context = mesh_sizes.get("context", 1)
+    tokens = micro_batch * seq_len / context
+    rows = _grouped_rows_per_token(cfg, mesh_sizes)
+    fm = -(-cfg.moe_intermediate_size // tp)
+    grouped = cfg.moe_capacity_factor <= 0 and dropless_impl(cfg.moe_impl, cfg.dtype, h, fm,
+                                                             int(tokens * rows)) == "grouped"
+    kept_experts = 2 * rows * fm * a if grouped else 0  # the grouped experts' gate and up
+
     impl = resolved_attention_impl(cfg, context=context, packed=True)
     lse = {"cudnn": heads * 4 * CUDNN_MAX_SEGMENTS, "blockwise": heads * 4}.get(impl, 0)
     if impl == "cudnn":
@@ -119,12 +137,14 @@ def activation_estimate(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_b
     attn = a * (2 * h + 3 * (q + 2 * kv) + q + h) + scores
     kept_attn = a * q + lse if lse else 0  # the attention output and log-sum-exp the remat policies keep
     dense = a * (2 * h + 3 * f + h)
-    moe = a * (2 * h + 3 * fs + 2 * h) + 8 * e + 4 * h + routed
+    moe = a * (2 * h + 3 * fs + 2 * h) + 8 * e + 4 * h + routed + kept_experts
+    kept_mtp = 0
     if remat == "none":
         saved_dense, saved_moe = attn + dense, attn + moe
     elif remat == "save_matmuls":
         saved_attn = a * (h + q + 2 * kv + h) + kept_attn
-        saved_dense, saved_moe = saved_attn + a * (2 * f + h), saved_attn + a * (2 * fs + h) + 4 * e
+        saved_dense, saved_moe = saved_attn + a * (2 * f + h), saved_attn + a * (2 * fs + h) + 4 * e + kept_experts
+        kept_mtp = a * h  # the MTP layer's routed output: its final norm's backward reads it
     else:
         saved_dense = saved_moe = a * h + kept_attn
     n_dense, n_moe, n_mtp = cfg.num_dense_layers, cfg.num_moe_layers, cfg.num_nextn_predict_layers
@@ -143,10 +163,9 @@ def activation_estimate(cfg: ModelConfig, mesh_sizes: Mapping[str, int], micro_b
     per_token = ActivationEstimate(
         saved_layers=n_dense * saved_dense + moe_tokens * saved_moe,
         recompute=0 if remat == "none" else max(rebuilt, default=0),
-        mtp=n_mtp * ((attn + moe if remat == "none" else saved_moe) + 7 * a * h) + 2 * a * h,
+        mtp=n_mtp * (saved_moe + kept_mtp + 7 * a * h) + 2 * a * h,
         logits=(1 + n_mtp) * -(-cfg.vocab_size // tp) * (a + 8),
         moe_buffers_per_layer=routed, pipeline=stage_buffers)
-    tokens = micro_batch * seq_len / context
     out = ActivationEstimate(*(math.ceil(tokens * v) for v in dataclasses.astuple(per_token)))
     if impl == "blockwise":  # the tile of the layer being computed
         tile = micro_batch * heads * min(cfg.attention_block_q, seq_len) * min(cfg.attention_block_kv, seq_len)

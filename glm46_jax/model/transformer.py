@@ -57,12 +57,10 @@ def _keeping_attention(policy=None):
     reads: cuDNN's forward custom call (matched by primitive name, as jax names no value inside its rule) and
     blockwise's named values. Otherwise the rebuilt layer re-runs the attention forward
     (docs/performance.md#attention)."""
-    names = jax.checkpoint_policies.save_only_these_names("attention_out", "attention_lse")
-
-    def saveable(prim, *args, **params):
-        return (prim.name == "dot_product_attention_fwd_wrapper" or names(prim, *args, **params)
-                or (policy is not None and policy(prim, *args, **params)))
-    return saveable
+    both = jax.checkpoint_policies.save_from_both_policies
+    keep = both(lambda prim, *_, **__: prim.name == "dot_product_attention_fwd_wrapper",
+                jax.checkpoint_policies.save_only_these_names("attention_out", "attention_lse"))
+    return keep if policy is None else both(keep, policy)
 
 
 _REMAT_POLICIES = {

@@ -192,7 +192,7 @@ def runs(tmp_path_factory, sample_corpus):
     # lingers after the run.
     proc = _launch(2, two, sample_corpus, devices=4, logs="logs_restart", GLM46_FAULTS=f"slow_process=1,slow_s={SLOW_S}",
                    flags=("--config.monitor.straggler_every=2", "--config.monitor.sinks=jsonl,prometheus",
-                          "--config.monitor.prometheus_port=0", "--config.monitor.prometheus_linger_s=20"))
+                          "--config.monitor.prometheus_port=0", "--config.monitor.prometheus_linger_s=5"))
     out["straggler_scrape"] = _scrape_at_the_end(proc, two, "logs_restart")
     out["resumed_log"] = _finish(proc, two, 2, "logs_restart")
     out["resumed_log_1"] = _log(two, 1, "logs_restart")
@@ -202,7 +202,7 @@ def runs(tmp_path_factory, sample_corpus):
 def _scrape_at_the_end(proc: subprocess.Popen, run_dir: str, logs: str) -> str:
     """Process 0's /metrics once its run has ended (it says so, then lingers): the port is in its log."""
     path = os.path.join(run_dir, logs, "process_0.log")
-    _wait_for(proc, run_dir, logs, lambda: os.path.exists(path) and "serving 20 s more" in open(path).read(),
+    _wait_for(proc, run_dir, logs, lambda: os.path.exists(path) and "serving 5 s more" in open(path).read(),
               "the run's end")
     port = re.search(r"prometheus exporter: http://[^:]+:(\d+)/metrics", open(path).read()).group(1)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:

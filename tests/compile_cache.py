@@ -65,6 +65,7 @@ class Counts:
         self.saved_s = 0.0
         self.stages = dict.fromkeys(STAGES, 0.0)
         self.programs = 0
+        self.per_test: dict[str, float] = {}  # nodeid -> seconds tracing, lowering and compiling in it
         jax.monitoring.register_event_listener(self._on_event)
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
 
@@ -87,11 +88,14 @@ class Counts:
             # A miss that compiled for at least the threshold was written: a program the cache can answer next time.
             self.written += not self._hit and duration >= MIN_COMPILE_S
 
+    def compile_s(self) -> float:
+        return sum(self.stages.values())
+
     def save(self):
         with open(os.path.join(os.environ[STATS_ENV], f"{os.getpid()}.json"), "w") as f:
             json.dump({"requests": self.requests, "hits": self.hits, "saved_s": self.saved_s, "written": self.written,
                        "stages": self.stages,
-                       "programs": self.programs}, f)
+                       "programs": self.programs, "per_test": self.per_test}, f)
 
 
 _COUNTS: list[Counts] = []
@@ -109,17 +113,23 @@ def summary() -> list[str]:
     start, which use the same cache directory): the cache's hit rate, and the time spent compiling."""
     requests = hits = saved_s = programs = written = 0
     stages = dict.fromkeys(STAGES, 0.0)
+    per_test: dict[str, float] = {}
     for name in os.listdir(os.environ[STATS_ENV]):
         with open(os.path.join(os.environ[STATS_ENV], name)) as f:
             counts = json.load(f)
         requests, hits, saved_s = requests + counts["requests"], hits + counts["hits"], saved_s + counts["saved_s"]
         programs, written = programs + counts["programs"], written + counts["written"]
         stages = {k: v + counts["stages"][k] for k, v in stages.items()}
+        per_test.update(counts["per_test"])
     kind = "machine-level" if os.environ.get(ROOT_ENV) else "per-run"
     # The rate counts the programs the cache keeps (compiled in >= MIN_COMPILE_S): hits / (hits + misses written).
     rate = f"{100 * hits / (hits + written):.1f}%" if hits + written else "n/a"
-    return [f"XLA compile cache ({kind}, {os.environ[DIR_ENV]}): hit rate {rate}: {hits} programs read from it, "
-            f"{written} compiled and written, {saved_s:.0f} s of compiling saved ({requests} compile requests, most "
-            f"too fast to cache), in the test processes",
-            "JAX compile work in the test processes: " + ", ".join(f"{k} {v:.0f} s" for k, v in stages.items())
-            + f" ({programs} programs, the cache's reads included)"]
+    cache = (f"XLA compile cache ({kind}, {os.environ[DIR_ENV]}): hit rate {rate}: {hits} read from it, {written} "
+             f"compiled and written, {saved_s:.0f} s of compiling saved ({requests} compile requests, most too fast "
+             "to cache), in the test processes")
+    work = ("JAX compile work in the test processes: " + ", ".join(f"{k} {v:.0f} s" for k, v in stages.items())
+            + f" ({programs} programs, the cache's reads included)")
+    top = [(t, s) for t, s in sorted(per_test.items(), key=lambda x: -x[1])[:10] if s >= 1]
+    if top:
+        work += "; most in a test (its fixtures' setup included): " + ", ".join(f"{t} {s:.0f} s" for t, s in top)
+    return [cache, work]

@@ -40,7 +40,7 @@ def subprocess_env(devices: int | None = 1, **extra: str) -> dict[str, str]:
         flags.append(f"--xla_force_host_platform_device_count={devices}")
     return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags), "PYTHONPATH": ROOT,
             "JAX_COMPILATION_CACHE_DIR": os.environ["GLM46_JAX_TEST_XLA_CACHE"],
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **extra}
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(compile_cache.MIN_COMPILE_S), **extra}
 
 def apply_flags(config, flags: list[str]):
     """A training CLI's `--config.a.b=value` flags applied to its ConfigDict in this process (the same run, in-process),
@@ -91,6 +91,13 @@ _COMPILE_COUNTS = compile_cache.counts()
 
 def pytest_sessionfinish(session):
     _COMPILE_COUNTS.save()  # every process of the run, xdist workers included; the first one sums them up below
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    before = _COMPILE_COUNTS.compile_s()
+    yield
+    _COMPILE_COUNTS.per_test[item.nodeid] = _COMPILE_COUNTS.compile_s() - before
 
 
 _DURATIONS = {"setup": 0.0, "call": 0.0, "teardown": 0.0}

@@ -2,6 +2,7 @@
 
 import os
 
+import compile_cache
 import nbformat
 import pytest
 from nbclient import NotebookClient
@@ -14,7 +15,7 @@ NOTEBOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, 
 def test_notebook_executes(name, sample_corpus, monkeypatch):
     # The kernel inherits this environment: 8 CPU devices (conftest), the session's corpus and XLA cache.
     monkeypatch.setenv("GLM_DATA_ROOT", sample_corpus)
-    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", str(compile_cache.MIN_COMPILE_S))
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", os.environ["GLM46_JAX_TEST_XLA_CACHE"])
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)

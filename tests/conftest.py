@@ -20,7 +20,8 @@ from glm46_jax.parallel import sharding
 
 # One persistent XLA cache per test run, shared by its workers (they inherit the directory from the process that
 # starts them) and empty at the start: the same programs (the tiny model's init, forward and train step) compile in
-# many test files and on both workers, and a later one reads them back instead of compiling again. Per run, not per
+# many test files and on both workers, and each file drops its executables (below), so a later file reads them back
+# instead of compiling again. Per run, not per
 # machine, so `make test` stays a cold measurement; `.ci/run` keeps one per machine instead (tests/compile_cache.py).
 # The JAX processes tests start use it too (`subprocess_env`).
 jax.config.update("jax_compilation_cache_dir", compile_cache.resolve(os.environ["XLA_FLAGS"]))
@@ -59,11 +60,11 @@ def apply_flags(config, flags: list[str]):
 # forward) as long as jax's caches hold it, and a pytest worker compiles thousands: one test file alone reached
 # 15,000 mappings. Past the kernel's vm.max_map_count (65,530 by default) the next mmap fails inside XLA and the
 # worker dies with a segfault (seen in CI at the same test every run: compiling in test_speculative after ~400
-# tests on that worker). So compiled executables are dropped after any test that leaves the process near the
-# limit. Not after every file: the next files then reuse what is compiled (the tiny model's programs, jnp's small
-# ones), which took 8% off nine model files (392 -> 361 s, one process, 2026-11-27).
+# tests on that worker). So compiled executables are dropped after every test file, and mid-file when a file
+# alone gets near the limit. Keeping them from file to file measured no faster: 392 -> 361 s on nine model files, but
+# 531 -> 561 s on model, generate and pipeline files (one process each, 2026-11-27).
 MAX_MAPPINGS = 30_000
-HAS_PROC_MAPS = os.path.exists("/proc/self/maps")  # Linux; elsewhere executables are dropped after every file
+HAS_PROC_MAPS = os.path.exists("/proc/self/maps")  # Linux; elsewhere only the per-file drop runs
 
 
 def memory_mappings() -> int:
@@ -127,8 +128,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="module", autouse=True)
 def _fresh_executables_per_file():
     yield
-    if not HAS_PROC_MAPS:  # no mapping count to watch: the per-file drop bounds them
-        _drop_executables()
+    _drop_executables()
 
 
 @pytest.fixture(autouse=True)

@@ -61,7 +61,10 @@ def scraped(tmp_path_factory, sample_corpus):
     port = free_port()
     # A step takes 0.1-0.7 s on a 2-core box; the fault hook adds 0.25 s to each, so 1 s scrapes see many of the
     # 40 losses however fast the machine is (10 s more in all).
-    env = subprocess_env(1, GLM46_FAULTS="slow_process=0,slow_s=0.25")
+    # Its own empty compile cache: the watchdog test below needs a first compile longer than the watchdog's floor,
+    # which a cache kept from an earlier run (`.ci/run`'s machine-level one) would answer in seconds.
+    env = subprocess_env(1, GLM46_FAULTS="slow_process=0,slow_s=0.25",
+                         JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("cold_xla_cache")))
     cmd = [sys.executable, "-m", "glm46_jax.train", "--config=configs/pretrain.py:tiny",
            *_flags(run_dir, sample_corpus, port)]
     # Discovered the way launch/slurm_pretrain.sbatch lists a job's tasks (launch/prometheus_targets.sh).

@@ -64,7 +64,6 @@ class Counts:
         self._hit = False
         self.saved_s = 0.0
         self.stages = dict.fromkeys(STAGES, 0.0)
-        self.programs = 0
         self.per_test: dict[str, float] = {}  # nodeid -> seconds tracing, lowering and compiling in it
         jax.monitoring.register_event_listener(self._on_event)
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
@@ -83,8 +82,7 @@ class Counts:
         for stage, name in STAGES.items():
             if event == name:
                 self.stages[stage] += duration
-        if event == STAGES["XLA compile"]:
-            self.programs += 1
+        if event == STAGES["XLA compile"]:  # one per compile request, after its REQUESTS (and HITS) event
             # A miss that compiled for at least the threshold was written: a program the cache can answer next time.
             self.written += not self._hit and duration >= MIN_COMPILE_S
 
@@ -94,8 +92,7 @@ class Counts:
     def save(self):
         with open(os.path.join(os.environ[STATS_ENV], f"{os.getpid()}.json"), "w") as f:
             json.dump({"requests": self.requests, "hits": self.hits, "saved_s": self.saved_s, "written": self.written,
-                       "stages": self.stages,
-                       "programs": self.programs, "per_test": self.per_test}, f)
+                       "stages": self.stages, "per_test": self.per_test}, f)
 
 
 _COUNTS: list[Counts] = []
@@ -111,14 +108,14 @@ def counts() -> Counts:
 def summary() -> list[str]:
     """Two lines over every test process of this run (pytest and its xdist workers; not the JAX subprocesses tests
     start, which use the same cache directory): the cache's hit rate, and the time spent compiling."""
-    requests = hits = saved_s = programs = written = 0
+    requests = hits = saved_s = written = 0
     stages = dict.fromkeys(STAGES, 0.0)
     per_test: dict[str, float] = {}
     for name in os.listdir(os.environ[STATS_ENV]):
         with open(os.path.join(os.environ[STATS_ENV], name)) as f:
             counts = json.load(f)
         requests, hits, saved_s = requests + counts["requests"], hits + counts["hits"], saved_s + counts["saved_s"]
-        programs, written = programs + counts["programs"], written + counts["written"]
+        written += counts["written"]
         stages = {k: v + counts["stages"][k] for k, v in stages.items()}
         per_test.update(counts["per_test"])
     kind = "machine-level" if os.environ.get(ROOT_ENV) else "per-run"
@@ -128,7 +125,7 @@ def summary() -> list[str]:
              f"compiled and written, {saved_s:.0f} s of compiling saved ({requests} compile requests, most too fast "
              "to cache), in the test processes")
     work = ("JAX compile work in the test processes: " + ", ".join(f"{k} {v:.0f} s" for k, v in stages.items())
-            + f" ({programs} programs, the cache's reads included)")
+            + f" ({requests} programs, the cache's reads included)")
     top = [(t, s) for t, s in sorted(per_test.items(), key=lambda x: -x[1])[:10] if s >= 1]
     if top:
         work += "; most in a test (its fixtures' setup included): " + ", ".join(f"{t} {s:.0f} s" for t, s in top)

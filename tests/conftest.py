@@ -21,9 +21,8 @@ from glm46_jax.parallel import sharding
 # One persistent XLA cache per test run, shared by its workers (they inherit the directory from the process that
 # starts them) and empty at the start: the same programs (the tiny model's init, forward and train step) compile in
 # many test files and on both workers, and each file drops its executables (below), so a later file reads them back
-# instead of compiling again. Per run, not per
-# machine, so `make test` stays a cold measurement; `.ci/run` keeps one per machine instead (tests/compile_cache.py).
-# The JAX processes tests start use it too (`subprocess_env`).
+# instead of compiling again. Per run, not per machine, so `make test` stays a cold measurement; `.ci/run` keeps one
+# per machine instead (tests/compile_cache.py). The JAX processes tests start use it too (`subprocess_env`).
 jax.config.update("jax_compilation_cache_dir", compile_cache.resolve(os.environ["XLA_FLAGS"]))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", compile_cache.MIN_COMPILE_S)
 

@@ -96,7 +96,8 @@ def _add_executor(p: Parser) -> None:
     g.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="local: worker processes; ray: concurrent tasks (never changes the output)")
     g.add_argument("--tasks", type=int, default=None,
-                   help="tasks of the per-file stages (default: one per input file, at most 1000)")
+                   help="tasks of the prepare/tokenize stages, each a byte slice of the inputs laid end to end (a big "
+                        "file spreads over several); default: one per input file or per 256 MB, at most 1000")
     g.add_argument("--write-tasks", type=int, default=None, help="tasks writing shards (default: --tasks)")
     g.add_argument("--work", default=None, help="intermediate files (default: OUT/_work); local path or URL")
     g.add_argument("--partition", default="cpu", help="slurm: partition")
@@ -255,6 +256,9 @@ def pipeline_config(args: argparse.Namespace, inputs: tuple[tuple[str, str], ...
 def _print_dataset(meta: dict[str, Any], run: dict[str, Any], out: str, seconds: float) -> None:
     print("\n".join(report.summary_lines(meta)))
     skipped = ", ".join(f"{stage} {n}" for stage, n in run["skipped"].items() if n) or "none"
+    if run.get("peak_rss"):
+        print("peak RSS per stage (largest task): " + ", ".join(f"{stage} {p['max_mb']:.0f} MB"
+                                                                for stage, p in run["peak_rss"].items()))
     print(f"-> {out.rstrip('/')}/metadata.json ({seconds:.1f} s; tasks already complete and skipped: {skipped}; "
           f"intermediate files: {run['work']})")
     for line in report.warning_lines(meta):

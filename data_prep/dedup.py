@@ -15,7 +15,8 @@ band ~6 % of the time (minhash.candidate_probability), so datatrove's own cluste
 5. writes `remove/<rank>.remove` in datatrove's format (sorted little-endian uint32 positions), which datatrove's
    `MinhashDedupFilter` applies in the tokenize stage, and `dedup.json` with the counts.
 
-Memory holds the candidate documents (their signatures, keys, domains) and the union-find, not the corpus.
+Memory holds the candidate documents (their signatures, keys, domains: ~500 bytes each) and the union-find over
+them, plus one task's index at a time; not the corpus's documents nor their signatures.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from datatrove.pipeline.base import PipelineStep
 from data_prep import minhash
 from data_prep.work import load_array, save_json
 
+_SIG_CHUNK = 1 << 16  # signature records read at a time
 _FULL_PAIRWISE = 512  # exact-unique members of one bucket group compared all-pairs up to this; beyond, to roots only
 
 
@@ -102,12 +104,15 @@ class VerifyAndCluster(PipelineStep):
             mine = np.flatnonzero(ranks == rank)
             index = load_array(folder, f"index/{rank:05d}.npy")
             keys[mine], domains[mine] = index["key"][docs[mine]], index["domain"][docs[mine]]
-            full = np.zeros((len(index), dt.num_buckets * rows), np.uint32)
-            for bucket in range(dt.num_buckets):
+            node = np.full(len(index), -1, np.int64)  # the task's documents -> candidate node (-1: not one)
+            node[docs[mine]] = mine
+            del index
+            for bucket in range(dt.num_buckets):  # the candidates' rows only, never the task's full signatures
                 with folder.open(f"sigs/bucket_{bucket:03d}/{rank:05d}.minhash.sig", "rb") as f:
-                    recs = np.frombuffer(f.read(), record)
-                full[recs["doc"], bucket * rows:(bucket + 1) * rows] = recs["h"]
-            sigs[mine] = full[docs[mine]]
+                    while chunk := f.read(record.itemsize * _SIG_CHUNK):
+                        recs = np.frombuffer(chunk, record)
+                        at = node[recs["doc"]]
+                        sigs[at[at >= 0], bucket * rows:(bucket + 1) * rows] = recs["h"][at >= 0]
         return sigs, keys, domains
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> None:

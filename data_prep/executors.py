@@ -22,7 +22,7 @@ from datatrove.executor import LocalPipelineExecutor
 from datatrove.io import get_datafolder
 from loguru import logger
 
-from data_prep import report
+from data_prep import peak, report
 from data_prep.pipeline import (
     STAGES,
     PipelineConfig,
@@ -109,7 +109,8 @@ def _completed(plan: Plan, stage: str, tasks: int) -> int:
 
 
 def run(cfg: PipelineConfig, wait: bool = False) -> dict[str, Any]:
-    """Runs (local, ray) or submits (slurm) every stage; returns {"work", "skipped": {stage: tasks}, "jobs"}."""
+    """Runs (local, ray) or submits (slurm) every stage; returns {"work", "skipped": {stage: tasks}, "jobs",
+    "peak_rss": {stage: {"max_mb", "tasks"}} (local and ray)}."""
     plan = make_plan(cfg)
     out = get_datafolder(cfg.out)
     if out.isfile("metadata.json"):
@@ -135,7 +136,8 @@ def run(cfg: PipelineConfig, wait: bool = False) -> dict[str, Any]:
                               f"{_logs(plan, stage, tasks)}/logs; re-run the same command to retry them")
         if stage == "dedup":
             _check_survivors(cfg, plan)
-    return {"work": plan.work, "skipped": skipped, "jobs": []}
+    peaks = peak.stage_peaks(plan.work, {stage: tasks for stage, (_, tasks) in pipelines.items()})
+    return {"work": plan.work, "skipped": skipped, "jobs": [], "peak_rss": peaks}
 
 
 def run_pipeline(cfg: PipelineConfig) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -48,6 +48,8 @@ class ReadTask:
     domain: str
     kind: str  # "jsonl" | "text" | "parquet" | "tfds"
     path: str  # a file path, or "NAME@SPLIT" for tfds
+    size: int = 0  # bytes (set by `measured`): where the file lies on the task axis (slices.py)
+    row_groups: tuple[int, ...] = ()  # Parquet: rows of each row group (the units it is split by)
 
 
 def parse_input(arg: str) -> tuple[str, str]:
@@ -123,10 +125,63 @@ def expand_inputs(inputs: list[tuple[str, str]], options: ReaderOptions) -> list
     return tasks
 
 
+def measured(task: ReadTask) -> ReadTask:
+    """The task with its size and, for Parquet, its row groups (from the footer; none if it is unreadable)."""
+    if task.kind == "tfds":
+        return task
+    size = fsspec.core.url_to_fs(task.path)[0].info(task.path).get("size") or 0
+    groups: tuple[int, ...] = ()
+    if task.kind == "parquet":
+        try:
+            import pyarrow.parquet as pq
+
+            with fsspec.open(task.path, "rb") as f:
+                meta = pq.ParquetFile(f).metadata
+            groups = tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups))
+        except Exception:  # noqa: BLE001  (ImportError, any corrupt file: one unit; the reader reports it)
+            groups = ()
+    return dataclasses.replace(task, size=int(size), row_groups=groups)
+
+
 def read_task(task: ReadTask, options: ReaderOptions) -> Iterator[ReadItem]:
-    """The task's documents and malformed-input reports, streamed in file order."""
-    readers = {"jsonl": read_jsonl, "text": read_text, "parquet": read_parquet, "tfds": read_tfds}
-    return readers[task.kind](task.path, task.domain, options)
+    """The whole file's documents and malformed-input reports, streamed in file order (with its `empty_file` report:
+    see `read_piece` and `is_blank`)."""
+    nonblank = 0
+    for item in read_piece(task, options):
+        nonblank += not is_blank(item, task, options)
+        yield item
+    if not nonblank:
+        yield empty_file(label(task))
+
+
+def read_piece(task: ReadTask, options: ReaderOptions, start: int = 0, end: int | None = None) -> Iterator[ReadItem]:
+    """Documents and reports of the lines (JSONL, `text_lines`) whose first byte is in [start, end), the row groups
+    [start, end) (Parquet) or the whole file (others: start 0), in file order. Line numbers count from the piece's
+    first line (the file's lines when start is 0). A file with nothing but blank units gets one `empty_file` report,
+    which only the caller that sees every piece can decide (`is_blank`)."""
+    if task.kind == "tfds":
+        return read_tfds(task.path, task.domain, options)
+    if task.kind == "parquet":
+        return read_parquet(task.path, task.domain, options, start, end)
+    if task.kind == "jsonl":
+        return read_jsonl(task.path, task.domain, options, start, end)
+    return read_text(task.path, task.domain, options, start, end)
+
+
+def is_blank(item: ReadItem, task: ReadTask, options: ReaderOptions) -> bool:
+    """A unit that does not keep its file from being an empty file: a blank JSONL line, a blank text line."""
+    if isinstance(item, Malformed):
+        return item.kind == "blank_line"
+    return task.kind == "text" and options.text_lines and not item.text.strip()
+
+
+def label(task: ReadTask) -> str:
+    """The file name reports give (a TFDS split's: tfds:NAME@SPLIT)."""
+    return f"{TFDS_PREFIX}{task.path}" if task.kind == "tfds" else task.path
+
+
+def empty_file(path: str) -> Malformed:
+    return Malformed(path, 1, "empty_file", "file is empty (or only whitespace)")
 
 
 # --- readers ---------------------------------------------------------------------------------------
@@ -140,10 +195,6 @@ def _read_bytes(path: str) -> bytes:
     with fsspec.open(path, "rb") as f:
         data = f.read()
     return data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is not text
-
-
-def _empty(path: str) -> Malformed:
-    return Malformed(path, 1, "empty_file", "file is empty (or only whitespace)")
 
 
 def _jsonl_line(raw: bytes, path: str, lineno: int, domain: str, field: str) -> Document | Malformed:
@@ -163,51 +214,44 @@ def _jsonl_line(raw: bytes, path: str, lineno: int, domain: str, field: str) -> 
     return Document(domain, f"{path}:{lineno}", obj[field])
 
 
-def read_jsonl(path: str, domain: str, options: ReaderOptions) -> Iterator[ReadItem]:
-    """Streams the file line by line (a JSONL file may be far larger than one document)."""
-    held: list[Malformed] = []  # reports before the first document: an all-blank file is one report
-    any_doc = False
+def _lines(path: str, start: int, end: int | None) -> Iterator[bytes]:
+    """The lines whose first byte lies in [start, end), streamed (a file may be far larger than memory)."""
     with fsspec.open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if lineno == 1:
-                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is not JSON
-            item = _jsonl_line(raw, path, lineno, domain, options.text_field)
-            if not any_doc and isinstance(item, Malformed):
-                held.append(item)
-                continue
-            if not any_doc:
-                any_doc = True
-                yield from held
-            yield item
-    if not any_doc:
-        yield from ([_empty(path)] if all(b.kind == "blank_line" for b in held) else held)
+        if start > 0:
+            f.seek(start - 1)
+            f.readline()  # the end of the line that began before `start` (just b"\n" if one begins at it)
+        position = f.tell()
+        for raw in f:
+            if end is not None and position >= end:
+                return
+            position += len(raw)
+            yield raw.removeprefix(b"\xef\xbb\xbf") if position == len(raw) else raw  # a BOM is not text
 
 
-def read_text(path: str, domain: str, options: ReaderOptions) -> Iterator[ReadItem]:
+def read_jsonl(path: str, domain: str, options: ReaderOptions, start: int = 0,
+               end: int | None = None) -> Iterator[ReadItem]:
+    for lineno, raw in enumerate(_lines(path, start, end), 1):
+        yield _jsonl_line(raw, path, lineno, domain, options.text_field)
+
+
+def read_text(path: str, domain: str, options: ReaderOptions, start: int = 0,
+              end: int | None = None) -> Iterator[ReadItem]:
     if not options.text_lines:  # one document per file: the file is the unit
         data = _read_bytes(path)
         if not data.strip():
-            yield _empty(path)
             return
         try:
             yield Document(domain, f"{path}:1", data.decode("utf-8"))
         except UnicodeDecodeError as err:
             yield _utf8_error(path, data, 1, err)
         return
-    any_text = False
-    with fsspec.open(path, "rb") as f:
-        # Blank lines become empty documents, which `clean` drops and counts as "empty".
-        for lineno, raw in enumerate(f, 1):
-            raw = raw.rstrip(b"\r\n")
-            if lineno == 1:
-                raw = raw.removeprefix(b"\xef\xbb\xbf")
-            any_text = any_text or bool(raw.strip())
-            try:
-                yield Document(domain, f"{path}:{lineno}", raw.decode("utf-8"))
-            except UnicodeDecodeError as err:
-                yield _utf8_error(path, raw, lineno, err)
-    if not any_text:
-        yield _empty(path)
+    # Blank lines become empty documents, which `clean` drops and counts as "empty".
+    for lineno, raw in enumerate(_lines(path, start, end), 1):
+        raw = raw.rstrip(b"\r\n")
+        try:
+            yield Document(domain, f"{path}:{lineno}", raw.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            yield _utf8_error(path, raw, lineno, err)
 
 
 def _value_to_text(value: Any, file: str, line: int, field: str) -> str | Malformed:
@@ -223,7 +267,9 @@ def _value_to_text(value: Any, file: str, line: int, field: str) -> str | Malfor
     return Malformed(file, line, "wrong_type", f"{field!r} is a {type(value).__name__}, not text")
 
 
-def read_parquet(path: str, domain: str, options: ReaderOptions) -> Iterator[ReadItem]:
+def read_parquet(path: str, domain: str, options: ReaderOptions, start: int = 0,
+                 end: int | None = None) -> Iterator[ReadItem]:
+    """Row groups [start, end); the file-level problems (unreadable, no such column) are the first piece's."""
     try:
         import pyarrow.parquet as pq
     except ImportError as err:
@@ -233,16 +279,18 @@ def read_parquet(path: str, domain: str, options: ReaderOptions) -> Iterator[Rea
         try:
             parquet = pq.ParquetFile(f)
         except Exception as err:  # pyarrow raises several types for a corrupt or non-Parquet file
-            yield Malformed(path, 1, "unreadable_parquet", f"{type(err).__name__}: {err}")
+            if start == 0:
+                yield Malformed(path, 1, "unreadable_parquet", f"{type(err).__name__}: {err}")
             return
         if column not in parquet.schema_arrow.names:
-            yield Malformed(path, 1, "missing_field", f"no column {column!r}; columns: {parquet.schema_arrow.names}")
+            if start == 0:
+                yield Malformed(path, 1, "missing_field", f"no column {column!r}; columns: {parquet.schema_arrow.names}")
             return
-        if parquet.metadata.num_rows == 0:
-            yield _empty(path)
+        groups = range(start, parquet.num_row_groups if end is None else end)
+        if not groups:
             return
         row = 0
-        for batch in parquet.iter_batches(columns=[column], batch_size=4096):
+        for batch in parquet.iter_batches(columns=[column], batch_size=4096, row_groups=groups):
             for value in batch.column(0).to_pylist():
                 row += 1
                 text = _value_to_text(value, path, row, column)
@@ -266,9 +314,6 @@ def open_tfds(name_split: str, data_dir: str | None):
 def read_tfds(name_split: str, domain: str, options: ReaderOptions) -> Iterator[ReadItem]:
     source = open_tfds(name_split, options.tfds_data_dir)
     file, field = f"tfds:{name_split}", options.text_field
-    if len(source) == 0:
-        yield _empty(file)
-        return
     for i in range(len(source)):
         example = source[i]
         if field not in example:  # the same for every example: report once, for the whole split

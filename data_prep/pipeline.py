@@ -26,9 +26,9 @@ from datatrove.io import get_datafolder
 from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.dedup.minhash import MinhashDedupBuckets, MinhashDedupFilter
 
-from data_prep import minhash, quality, report, shards, steps
+from data_prep import minhash, peak, quality, report, shards, slices, steps
 from data_prep.dedup import VerifyAndCluster
-from data_prep.inputs import ReaderOptions, ReadTask, expand_inputs
+from data_prep.inputs import ReaderOptions, ReadTask, empty_file, expand_inputs, measured
 from data_prep.tokenizer import EOS_TOKEN, load
 from data_prep.work import load_json
 from glm46_jax import atomic
@@ -37,6 +37,7 @@ from glm46_jax.cli import InputError
 Stats = dict[str, Any]
 METADATA_VERSION = 1
 STAGES = ("prepare", "buckets", "dedup", "tokenize", "write", "finalize")
+TASK_BYTES = 256 << 20  # default tasks: the input files, or the input in slices of this many bytes if more
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,7 @@ class ExecutorOptions:
 
     kind: str = "local"  # "local" | "slurm" | "ray"
     workers: int = 1  # local: processes; ray: concurrent tasks
-    tasks: int | None = None  # prepare/tokenize tasks; None: one per input file, at most 1000
+    tasks: int | None = None  # prepare/tokenize tasks; None: max(input files, input / TASK_BYTES), at most 1000
     write_tasks: int | None = None  # None: as many as tasks
     partition: str = "cpu"  # slurm
     time: str = "04:00:00"
@@ -108,18 +109,19 @@ def _file_stamp(task: ReadTask) -> list:
         return [task.domain, task.kind, task.path]
     path = task.path
     info = fsspec.core.url_to_fs(path)[0].info(path)
-    return [task.domain, task.kind, path, info.get("size"),
+    return [task.domain, task.kind, path, task.size, list(task.row_groups),
             str(info.get("mtime") or info.get("LastModified") or info.get("ETag"))]
 
 
 def make_plan(cfg: PipelineConfig) -> Plan:
     """Checks what can be checked before any work (inputs exist, rules are valid) and fixes the work folder."""
-    files = expand_inputs(list(cfg.inputs), cfg.reader)
+    files = [measured(f) for f in expand_inputs(list(cfg.inputs), cfg.reader)]
     domains = list(dict.fromkeys(domain for domain, _ in cfg.inputs))
     if unknown := sorted(set(cfg.rule_overrides) - set(domains)):
         raise InputError(f"quality rules name domain(s) {unknown} that no --input has; domains: {domains}")
     rules = {d: quality.rules_for(d, cfg.rule_overrides) for d in domains}
-    tasks = cfg.executor.tasks or min(len(files), 1000)
+    total = sum(slices.weight(f) for f in files)
+    tasks = cfg.executor.tasks or min(max(len(files), -(-total // TASK_BYTES)), 1000)
     if tasks < 1:
         raise InputError(f"--tasks {tasks}: must be >= 1")
     if cfg.tokenizer.path is not None:
@@ -141,7 +143,12 @@ def config_section(cfg: PipelineConfig, rules: dict[str, quality.QualityRules]) 
 
 
 def stage_pipelines(cfg: PipelineConfig, plan: Plan) -> dict[str, tuple[list, int]]:
-    """{stage: (datatrove pipeline, tasks)}, in run order."""
+    """{stage: (datatrove pipeline, tasks)}, in run order; every task records its peak RSS (peak.py)."""
+    return {stage: (peak.wrapped(plan.work, stage, pipeline), tasks)
+            for stage, (pipeline, tasks) in _stages(cfg, plan).items()}
+
+
+def _stages(cfg: PipelineConfig, plan: Plan) -> dict[str, tuple[list, int]]:
     work, dt = plan.work, minhash.datatrove_config(cfg.minhash)
     tok = cfg.tokenizer
     return {
@@ -166,17 +173,35 @@ def _summed(folder, block: str) -> list[Stats]:
 
 def collect_stats(work: str, rules: dict[str, list[str]], max_reports: int) -> Stats:
     """Per-domain counts of every stage before dedup (as metadata.json lists them under each domain; `rules`: each
-    domain's active rules) and the malformed-input section."""
+    domain's active rules) and the malformed-input section: reports get their file lines (the lines of the file's
+    pieces in earlier tasks added), and a file with nothing but blank units in every piece one `empty_file` report
+    in place of its blank-line ones."""
     folder = get_datafolder(work)
     per = {d: {"ingest": {"files": 0, "documents": 0, "malformed": 0},
                "clean": {"documents": 0, "changed": 0, "empty": 0, "kept": 0}} for d in rules}
     reports, kinds, count = [], {}, 0
+    lines: dict[str, int] = {}  # file -> lines read by earlier tasks
+    files: dict[str, Stats] = {}
     for part in _summed(folder, "ingest"):
         for d, c in part["domains"].items():
             report.add_counts(per[d]["ingest"], c)
-        reports += part["malformed"]["reports"]
+        offset = {}
+        for f, seen in part["files"].items():
+            offset[f] = lines.get(f, 0)
+            lines[f] = offset[f] + seen["lines"]
+            report.add_counts(files.setdefault(f, {"domain": seen["domain"], "path": seen["path"]}),
+                              {"nonblank": seen["nonblank"], "blank": seen["blank"]})
+        for r in part["malformed"]["reports"] + part["malformed"]["blank_reports"]:
+            reports.append((r["file"], offset[str(r["file"])] + r["line"], r))
         report.add_counts(kinds, part["malformed"]["by_kind"])
         count += part["malformed"]["count"]
+    for f, seen in files.items():
+        if not seen["nonblank"]:
+            reports = [x for x in reports if not (x[0] == int(f) and x[2]["kind"] == "blank_line")]
+            reports.append((int(f), 1, {"path": seen["path"], **empty_file(seen["path"]).to_json()}))
+            report.add_counts(kinds, {"blank_line": -seen["blank"], "empty_file": 1})
+            per[seen["domain"]]["ingest"]["malformed"] += 1 - seen["blank"]
+            count += 1 - seen["blank"]
     for part in _summed(folder, "clean"):
         for d, c in part["domains"].items():
             report.add_counts(per[d]["clean"], c)
@@ -185,7 +210,10 @@ def collect_stats(work: str, rules: dict[str, list[str]], max_reports: int) -> S
         removed = {r: sum(p["removed"].get(d, 0) for p in by_rule[r]) for r in active}
         documents = per[d]["clean"]["kept"]
         per[d]["filter"] = {"documents": documents, "kept": documents - sum(removed.values()), "removed": removed}
-    malformed = {"count": count, "by_kind": dict(sorted(kinds.items())), "reports": reports[:max_reports],
+    reports.sort(key=lambda x: (x[0], x[1]))
+    shown = [{"location": f"{r['path']}:{line}", "kind": r["kind"], "message": r["message"]}
+             for _, line, r in reports[:max_reports]]
+    malformed = {"count": count, "by_kind": {k: n for k, n in sorted(kinds.items()) if n}, "reports": shown,
                  "reports_left_out": max(0, count - max_reports)}
     return {"domains": per, "malformed": malformed}
 

@@ -28,7 +28,17 @@ from datatrove.pipeline.base import PipelineStep
 
 from data_prep.documents import text_digest
 from data_prep.tokenizer import TokenizerInfo, encode_documents, encoder, load, trained
-from data_prep.work import TOKENS_DTYPE, load_array, load_json, removed, save_array, save_json, stored_texts, survivors
+from data_prep.work import (
+    TOKENS_DTYPE,
+    Rows,
+    load_array,
+    load_json,
+    removed,
+    save_array,
+    save_json,
+    stored_texts,
+    survivors,
+)
 from glm46_jax import atomic
 
 SPLITS = ("train", "heldout")
@@ -162,7 +172,7 @@ class Tokenize(PipelineStep):
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> None:
         folder = get_datafolder(self.work)
         info = load(f"{self.work}/tokenizer.json")
-        tok, rows, batch, start = encoder(info), [], [], 0
+        tok, rows, batch, start = encoder(info), Rows(TOKENS_DTYPE), [], 0
         with folder.open(f"tokens/{rank:05d}.bin", "wb") as out:
             def flush() -> None:
                 nonlocal start
@@ -178,7 +188,7 @@ class Tokenize(PipelineStep):
                 if len(batch) == _ENCODE_BATCH:
                     flush()
             flush()
-        save_array(folder, f"tokens/{rank:05d}.npy", np.array(rows, TOKENS_DTYPE))
+        save_array(folder, f"tokens/{rank:05d}.npy", rows.array())
 
 
 def shard_list(plan: dict) -> list[tuple[dict, int]]:
@@ -195,25 +205,23 @@ class WriteShards(PipelineStep):
     def __init__(self, work: str, out: str, writer_options: str):
         super().__init__()
         self.work, self.out, self.writer_options = work, out, writer_options
-        self._cache: tuple[int, np.ndarray, np.ndarray] | None = None
-
-    def _task_tokens(self, folder, rank: int) -> tuple[np.ndarray, np.ndarray]:
-        if self._cache is None or self._cache[0] != rank:
-            with folder.open(f"tokens/{rank:05d}.bin", "rb") as f:
-                ids = np.frombuffer(f.read(), "<i4")
-            self._cache = (rank, load_array(folder, f"tokens/{rank:05d}.npy"), ids)
-        return self._cache[1], self._cache[2]
 
     def _records(self, folder, entry: dict, index: int) -> Iterator[bytes]:
+        """The shard's records, read one by one from the token files (a task's file can be far larger than memory)."""
         group = entry["groups"][index]
         domain, heldout = entry["domain_id"], SPLITS.index(entry["split"])
         first, last = entry["ranks"][index]
         for r in range(first, last + 1):
-            rows, ids = self._task_tokens(folder, r)
+            rows = load_array(folder, f"tokens/{r:05d}.npy")
             mine = rows[(rows["domain"] == domain) & (rows["heldout"] == heldout)]
             starts = entry["prefix"][r] + np.cumsum(mine["bytes"].astype(np.int64)) - mine["bytes"]
-            for row in mine[groups(starts, entry["total"], entry["target"]) == group]:
-                yield ids[row["start"]:row["start"] + row["tokens"]].tobytes()
+            chosen = mine[groups(starts, entry["total"], entry["target"]) == group]
+            if not len(chosen):
+                continue
+            with folder.open(f"tokens/{r:05d}.bin", "rb") as f:
+                for start, tokens in zip(chosen["start"].tolist(), chosen["tokens"].tolist(), strict=True):
+                    f.seek(4 * start)
+                    yield f.read(4 * tokens)
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> None:
         from array_record.python.array_record_module import ArrayRecordWriter

@@ -1,8 +1,8 @@
 """Our datatrove pipeline blocks for the first stage: read -> clean -> quality rules -> store + MinHash signatures.
 
 Each block is a `datatrove.pipeline.base.PipelineStep`, so any datatrove executor runs it (local, Slurm, Ray). A task
-(rank) owns a contiguous range of the input files, so ordering documents by (rank, position in the task) is ordering
-them by (input file, line): the survivor rule of dedup and the order inside shards follow from that, for any task
+(rank) owns a contiguous byte range of the input files laid end to end (slices.py: one big file spreads over many
+tasks), so ordering documents by (rank, position in the task) is ordering them by (input file, line): the survivor rule of dedup and the order inside shards follow from that, for any task
 count. Per-domain counts are written by each block to `<work>/counts/<block>/<rank>.json` and summed by the last stage.
 """
 
@@ -26,9 +26,10 @@ from data_prep import clean as clean_mod
 from data_prep import minhash, quality
 from data_prep.dedup import exact_key
 from data_prep.documents import Malformed, text_digest
-from data_prep.inputs import ReaderOptions, ReadTask, read_task
+from data_prep.inputs import ReaderOptions, ReadTask, is_blank, label, read_piece
 from data_prep.shards import is_heldout
-from data_prep.work import INDEX_DTYPE, rank_files, save_array, save_json
+from data_prep.slices import task_pieces
+from data_prep.work import INDEX_DTYPE, Rows, save_array, save_json
 
 
 class Counted(PipelineStep):
@@ -45,8 +46,12 @@ class Counted(PipelineStep):
 
 
 class ReadInputs(Counted):
-    """Our readers (JSONL, Parquet, text, TFDS; local paths or fsspec URLs), streamed; malformed input is
-    counted and its first `max_reports` locations kept, never raised."""
+    """Our readers (JSONL, Parquet, text, TFDS; local paths or fsspec URLs), streamed over the task's pieces of the
+    input (slices.py); malformed input is counted and its first `max_reports` locations kept, never raised.
+
+    A piece may start mid-file, so reports carry the line within the piece, and each piece's line count is saved:
+    `pipeline.collect_stats` turns them into file lines, and decides which files are empty (only blank units in
+    every piece), in task order."""
 
     name, type, key = "read inputs", "📖 - READER", "ingest"
 
@@ -56,28 +61,36 @@ class ReadInputs(Counted):
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         counts: dict[str, dict[str, int]] = {}
-        malformed: list[Malformed] = []  # the first max_reports; all are counted by kind
+        reports: dict[bool, list[dict]] = {False: [], True: []}  # the first max_reports of others / blank lines
         kinds: Counter[str] = Counter()
-        for file_index in rank_files(len(self.tasks), rank, world_size):
-            task = self.tasks[file_index]
+        files: dict[str, dict[str, Any]] = {}
+        for piece in task_pieces(self.tasks, self.reader, rank, world_size):
+            task = self.tasks[piece.file]
             domain = counts.setdefault(task.domain, {"files": 0, "documents": 0, "malformed": 0})
-            domain["files"] += 1
+            domain["files"] += piece.first
+            seen = files[str(piece.file)] = {"domain": task.domain, "path": label(task), "lines": 0, "nonblank": 0,
+                                             "blank": 0}
             ordinal = 0
-            for item in read_task(task, self.reader):
+            for item in read_piece(task, self.reader, piece.start, piece.end):
+                seen["lines"] += 1
+                blank = is_blank(item, task, self.reader)
+                seen["nonblank"] += not blank
                 if isinstance(item, Malformed):
                     domain["malformed"] += 1
                     kinds[item.kind] += 1
-                    if len(malformed) < self.max_reports:
-                        malformed.append(item)
+                    seen["blank"] += blank
+                    if len(reports[blank]) < self.max_reports:
+                        reports[blank].append({"file": piece.file, "line": item.line, "path": item.file,
+                                               "kind": item.kind, "message": item.message})
                     continue
                 domain["documents"] += 1
                 self.stat_update("documents")
-                yield DTDocument(text=item.text, id=f"{file_index}:{ordinal}",
-                                 metadata={"domain": task.domain, "file": file_index, "ord": ordinal})
+                yield DTDocument(text=item.text, id=f"{piece.file}:{piece.start}:{ordinal}",
+                                 metadata={"domain": task.domain, "file": piece.file, "ord": ordinal})
                 ordinal += 1
         section = {"count": sum(kinds.values()), "by_kind": dict(sorted(kinds.items())),
-                   "reports": [m.to_json() for m in malformed]}
-        self.save_counts(rank, {"domains": counts, "malformed": section})
+                   "reports": reports[False], "blank_reports": reports[True]}
+        self.save_counts(rank, {"domains": counts, "malformed": section, "files": files})
 
 
 class Clean(Counted):
@@ -145,7 +158,7 @@ class Store(PipelineStep):
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         folder = get_datafolder(self.work)
-        rows = []
+        rows = Rows(INDEX_DTYPE)
         with folder.open(f"docs/{rank:05d}.jsonl.gz", "wt", compression="gzip") as f:
             for doc in data:
                 doc.metadata.pop("words", None)
@@ -154,7 +167,7 @@ class Store(PipelineStep):
                              len(doc.text.encode("utf-8")), is_heldout(text_digest(doc.text), self.heldout_fraction),
                              exact_key(doc.text)))
                 yield doc
-        save_array(folder, f"index/{rank:05d}.npy", np.array(rows, INDEX_DTYPE))
+        save_array(folder, f"index/{rank:05d}.npy", rows.array())
 
 
 class _Words(WordTokenizer):

@@ -11,7 +11,7 @@
     written/<rank>.json             what each write task wrote                (stage write)
     logs/<stage>/ (write: logs/write-<tasks>/)   datatrove's logs, stats and completion markers (what a re-run skips)
 
-A task owns a contiguous range of input files (`rank_files`), so (rank, position) orders like (input file, line).
+A task owns a contiguous byte slice of the inputs (slices.py), so (rank, position) orders like (input file, line).
 """
 
 from __future__ import annotations
@@ -32,9 +32,21 @@ TOKENS_DTYPE = np.dtype([("domain", "<u2"), ("heldout", "u1"), ("bytes", "<u8"),
                          ("tokens", "<u8")])
 
 
-def rank_files(num_files: int, rank: int, world_size: int) -> range:
-    """The contiguous block of input files task `rank` reads (some tasks get none when files < tasks)."""
-    return range(num_files * rank // world_size, num_files * (rank + 1) // world_size)
+class Rows:
+    """Index rows gathered in numpy blocks: a task's index costs itemsize bytes per document, not a Python tuple's
+    ~200 (a task of 256 MB of 3 KB documents: 4 MB, not 17)."""
+
+    def __init__(self, dtype: np.dtype, block: int = 4096):
+        self.dtype, self.block, self.blocks, self.pending = dtype, block, [], []
+
+    def append(self, row: tuple) -> None:
+        self.pending.append(row)
+        if len(self.pending) == self.block:
+            self.blocks.append(np.array(self.pending, self.dtype))
+            self.pending = []
+
+    def array(self) -> np.ndarray:
+        return np.concatenate([*self.blocks, np.array(self.pending, self.dtype)])
 
 
 def save_json(folder: DataFolder, path: str, value: Any) -> None:

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN)  # ids 0 and 1 in a trained tokenizer
 ADDED_TOKENS = SPECIAL_TOKENS + CHAT_TOKENS  # ids 0 .. 18, in this order
+_PARALLELISM = "TOKENIZERS_PARALLELISM"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +119,17 @@ def _encoder(tokenizer_json: str) -> Tokenizer:
 
 
 def encode_documents(tok: Tokenizer, texts: Sequence[str], eos_id: int) -> list[np.ndarray]:
-    """One int32 array per text: its token ids followed by EOS."""
-    encodings = tok.encode_batch(list(texts), add_special_tokens=False)
+    """One int32 array per text: its token ids followed by EOS. On this thread, without offsets: the Rayon pool's
+    threads each grew their own malloc arena, so a task's RSS grew with its slice (147 -> 169 MB from 1x to 16x of
+    benchmarks/data_prep.py's single file; serial, no offsets: 126 -> 131 MB, and no slower with workers sharing the
+    cores). `TOKENIZERS_PARALLELISM` is read at every call, so BPE training elsewhere keeps its threads."""
+    before = os.environ.get(_PARALLELISM)
+    os.environ[_PARALLELISM] = "false"
+    try:
+        encodings = tok.encode_batch_fast(list(texts), add_special_tokens=False)
+    finally:
+        if before is None:
+            del os.environ[_PARALLELISM]
+        else:
+            os.environ[_PARALLELISM] = before
     return [np.asarray([*e.ids, eos_id], np.int32) for e in encodings]

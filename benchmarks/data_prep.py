@@ -41,6 +41,7 @@ import glob
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -253,15 +254,124 @@ def check_import(checkout: str) -> None:
 
 
 def pipeline_run(name: str, checkout: str, corpus: str, workers: int, scratch: str, tokenizer: str | None,
-                 vocab: int) -> dict:
+                 vocab: int, flags: tuple[str, ...] = ()) -> dict:
     out = os.path.join(scratch, "out", name)
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "data_prep", "pipeline", "--input", f"web={corpus}", "--out", out,
-           "--executor", "local", "--workers", str(workers), "--vocab-size", str(vocab)]
+           "--executor", "local", "--workers", str(workers), "--vocab-size", str(vocab), *flags]
     cmd += ["--tokenizer", tokenizer] if tokenizer else []
     run = run_measured(cmd, checkout, python_env(checkout), os.path.join(scratch, f"{name}.log"))
     run["stages"] = stage_breakdown(out, run)
+    run["task_peaks"] = task_peaks(out)
+    run["command"] = " ".join(["python", *cmd[1:]])
     return finish(run, name, out, workers)
+
+
+def task_peaks(out: str) -> dict[str, float]:
+    """{stage: largest task's peak RSS in MB} as the pipeline records it (<work>/rss/<stage>/<rank>.json: each task
+    resets the process's high-water mark when it starts, so it is the task's own even in a reused process)."""
+    (work,) = glob.glob(os.path.join(out, "_work", "*"))
+    peaks = {}
+    for stage in STAGES:
+        values = []
+        for path in glob.glob(os.path.join(work, "rss", stage, "*.json")):
+            with open(path) as f:
+                values.append(json.load(f)["peak_mb"])
+        if values:
+            peaks[stage] = max(values)
+    return peaks
+
+
+def single_file(corpus_dir: str, scale: int, base_files: int) -> str:
+    """The first scale * base_files files of the multi-file corpus as one JSONL file (made once)."""
+    path = os.path.join(os.path.dirname(corpus_dir), f"single-x{scale}-{os.path.basename(corpus_dir)}.jsonl")
+    if not os.path.exists(path):
+        with open(path + ".tmp", "wb") as out:
+            for p in sorted(glob.glob(os.path.join(corpus_dir, "part-*.jsonl")))[:scale * base_files]:
+                with open(p, "rb") as f:
+                    shutil.copyfileobj(f, out)
+        os.replace(path + ".tmp", path)
+    return path
+
+
+def big_file(root: str, gb: float, docs_per_file: int = 2000) -> str:
+    """About `gb` GB of the synthetic corpus (fresh documents throughout, seed 1) as one JSONL file (made once)."""
+    path = os.path.join(root, f"big-{gb:g}gb.jsonl")
+    if not os.path.exists(path):
+        parts = os.path.join(root, f"big-{gb:g}gb-parts")
+        files = max(1, round(gb * 2**30 / (docs_per_file * 3 * 2**10)))  # ~3 KB per document
+        write_files(parts, files, docs_per_file, seed=1)
+        with open(path + ".tmp", "wb") as out:
+            for p in sorted(glob.glob(os.path.join(parts, "part-*.jsonl"))):
+                with open(p, "rb") as f:
+                    shutil.copyfileobj(f, out)
+        os.replace(path + ".tmp", path)
+        shutil.rmtree(parts)
+    return path
+
+
+def shingle_set(text: str, n: int = 5) -> set[tuple[str, ...]]:
+    """The pipeline's default shingles, exactly: lower-cased `\\w+` word 5-grams."""
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def recall_corpus(path: str, originals: int, clusters: int, copies: int = 4, seed: int = 2) -> list[float]:
+    """`originals` fresh documents, then `copies` near copies of each of the first `clusters` (each its own ~0.3-1.6 %
+    of words replaced), as one JSONL file; returns each copy's exact Jaccard with its original, in file order."""
+    rng = np.random.default_rng(seed)
+    words, probs = vocabulary(rng)
+    docs = [document(rng, words, probs) for _ in range(originals)]
+    lines, jaccards = list(docs), []
+    for i in range(clusters):
+        base = shingle_set(docs[i])
+        for _ in range(copies):
+            tokens = docs[i].split(" ")
+            for k in rng.choice(len(tokens), max(1, int(len(tokens) * rng.uniform(0.003, 0.016))), replace=False):
+                tokens[k] = str(words[rng.integers(len(words))])
+            lines.append(" ".join(tokens))
+            other = shingle_set(lines[-1])
+            jaccards.append(len(base & other) / len(base | other))
+    with open(path, "w", encoding="utf-8") as out:
+        out.writelines(json.dumps({"text": t}) + "\n" for t in lines)
+    return jaccards
+
+
+def recall_run(scratch: str, checkout: str, vocab: int, originals: int = 1500, clusters: int = 400) -> dict:
+    """MinHash recall on planted near-duplicate clusters: which copies the pipeline removed, by exact Jaccard."""
+    path = os.path.join(scratch, "corpus", f"recall-{originals}-{clusters}.jsonl")
+    jaccards = recall_corpus(path, originals, clusters)
+    run = pipeline_run("recall", checkout, path, 1, scratch, None, vocab,
+                       ("--heldout-fraction", "0", "--tasks", "1", "--tokenizer-sample-mb", "2"))
+    (work,) = glob.glob(os.path.join(run["out"], "_work", "*"))
+    index = np.load(os.path.join(work, "index", "00000.npy"))
+    with open(os.path.join(work, "remove", "000000.remove"), "rb") as f:
+        removed = set(index["ord"][np.frombuffer(f.read(), "<u4")].tolist())  # document numbers in the file
+    copy_removed = np.array([originals + k in removed for k in range(len(jaccards))])
+    j = np.array(jaccards)
+    bins = {}
+    for lo, hi in ((0.0, 0.85), (0.85, 0.88), (0.88, 0.91), (0.91, 0.94), (0.94, 1.01)):
+        inside = (j >= lo) & (j < hi)
+        bins[f"[{lo:.2f}, {min(hi, 1):.2f})"] = (int(inside.sum()), int(copy_removed[inside].sum()))
+    above = j >= 0.85
+    return {"copies": len(j), "jaccard_min": float(j.min()), "jaccard_max": float(j.max()), "bins": bins,
+            "recall_at_or_above": float(copy_removed[above].mean()) if above.any() else float("nan"),
+            "originals_removed": sum(k in removed for k in range(originals)), "clusters": clusters,
+            "command": run["command"]}
+
+
+def same_dataset(a: str, b: str) -> bool:
+    """Every file of two dataset folders, the work folders left out, byte for byte."""
+    def files(root: str) -> dict[str, bytes]:
+        out = {}
+        for d, dirs, names in os.walk(root):
+            dirs[:] = [x for x in dirs if x != "_work"]
+            for n in names:
+                with open(os.path.join(d, n), "rb") as f:
+                    out[os.path.relpath(os.path.join(d, n), root)] = f.read()
+        return out
+
+    return files(a) == files(b)
 
 
 def sample_run(name: str, checkout: str, workers: int, scratch: str) -> dict:
@@ -326,15 +436,37 @@ def table(rows: list[dict], sizes: dict[str, float]) -> str:
 def stage_table(rows: list[dict]) -> str:
     """Seconds / peak RSS tree MB / peak RSS single MB per stage."""
     staged = [r for r in rows if "stages" in r]
-    lines = ["| run | " + " | ".join(f"{s} s / tree / single MB" for s in STAGES) + " |", "|---" * (len(STAGES) + 1) + "|"]
+    lines = ["| run | " + " | ".join(f"{s} s / tree / single / task MB" for s in STAGES) + " |",
+             "|---" * (len(STAGES) + 1) + "|"]
     for r in staged:
-        cells = [f"{v['s']:.1f} / {v['tree_mb']:.0f} / {v['single_mb']:.0f}" for v in r["stages"].values()]
+        peaks = r.get("task_peaks", {})
+        cells = [f"{v['s']:.1f} / {v['tree_mb']:.0f} / {v['single_mb']:.0f} / {peaks.get(s, float('nan')):.0f}"
+                 for s, v in r["stages"].items()]
         lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def single_goals(rows: dict[str, dict], scales: list[int]) -> list[str]:
+    out = []
+    first, last = rows.get(f"single x{scales[0]} t1"), rows.get(f"single x{scales[-1]} t1")
+    if first and last:
+        ratios = {s: last["task_peaks"][s] / first["task_peaks"][s] for s in STAGES}
+        worst = max(ratios.values())
+        out.append(f"single file, peak RSS x{scales[-1]} / x{scales[0]}: largest process {last['single_mb'] / first['single_mb']:.2f}"
+                   f", per stage (largest task) " + ", ".join(f"{s} {r:.2f}" for s, r in ratios.items())
+                   + f" -> goal <= 1.3 {'met' if max(worst, last['single_mb'] / first['single_mb']) <= 1.3 else 'NOT met'}")
+    one, four = rows.get(f"single x{scales[-1]} t1"), rows.get(f"single x{scales[-1]} t4 w2")
+    if one and four:
+        out.append(f"single file x{scales[-1]}: --tasks 4 --workers 2 {four['wall_s']:.1f} s wall ({four['cpu_s'] / four['wall_s']:.2f}"
+                   f" cores busy on average) vs --tasks 1 {one['wall_s']:.1f} s ({one['cpu_s'] / one['wall_s']:.2f}): "
+                   f"{one['wall_s'] / four['wall_s']:.2f}x; same bytes: {four['same_bytes']}")
+    return out
+
+
 def goals(rows: dict[str, dict], scales: list[int], workers: list[int]) -> list[str]:
     out = []
+    if f"x{scales[0]} w{workers[0]}" not in rows:
+        return out
     for w in workers:
         first, last = rows[f"x{scales[0]} w{w}"], rows[f"x{scales[-1]} w{w}"]
         ratio, single, pss = (last[k] / first[k] for k in ("tree_mb", "single_mb", "pss_mb"))
@@ -357,6 +489,9 @@ def main():
     p.add_argument("--scales", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--cases", nargs="+", choices=("multi", "single", "sample", "big", "recall"),
+                   default=["multi", "single", "sample"], help="which runs (big: --big-gb of one file, minutes)")
+    p.add_argument("--big-gb", type=float, default=1.0, help="size of the big single-file corpus")
     p.add_argument("--old-checkout", default="/tmp/old_dp",
                    help="worktree of the in-memory implementation (git worktree add /tmp/old_dp <commit>); "
                         "'' skips the sample comparison")
@@ -369,37 +504,63 @@ def main():
         return print(json.dumps(encoder_probe(*args.encoder_probe, args.fresh)))
     new = args.new_checkout
     check_import(new)
-    if args.old_checkout:
+    if args.old_checkout and "sample" in args.cases:
         check_import(args.old_checkout)
     print(f"device: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; commit {commit(new)}"
-          + (f"; old: {commit(args.old_checkout)}" if args.old_checkout else ""))
+          + (f"; old: {commit(args.old_checkout)}" if args.old_checkout and "sample" in args.cases else ""))
     folders = corpora(os.path.join(args.scratch, "corpus"), args.base_files, args.docs_per_file, args.scales)
     sizes, rows = {}, {}
-    # the trained-tokenizer run: also makes the fixed tokenizer of the scaling runs
     base = args.scales[0]
+    # the trained-tokenizer run: also makes the fixed tokenizer of the scaling runs
     name = f"x{base} w1 trained BPE"
     rows[name] = pipeline_run(name, new, folders[base], 1, args.scratch, None, args.vocab_size)
     sizes[name] = folder_mb(folders[base])
     tokenizer = os.path.join(rows[name]["out"], "tokenizer.json")
-    for scale in args.scales:
-        for w in args.workers:
-            name = f"x{scale} w{w}"
-            rows[name] = pipeline_run(name, new, folders[scale], w, args.scratch, tokenizer, args.vocab_size)
-            sizes[name] = folder_mb(folders[scale])
-    if args.old_checkout:
+    if "multi" in args.cases:
+        for scale in args.scales:
+            for w in args.workers:
+                name = f"x{scale} w{w}"
+                rows[name] = pipeline_run(name, new, folders[scale], w, args.scratch, tokenizer, args.vocab_size)
+                sizes[name] = folder_mb(folders[scale])
+    # the issue's single-file case: a trained BPE on a fixed 2 MB sample, default tasks (one: < 256 MB), 1 worker
+    single = ("--heldout-fraction", "0", "--tokenizer-sample-mb", "2")
+    if "single" in args.cases:
+        for scale in args.scales:
+            path = single_file(folders[max(args.scales)], scale, args.base_files)
+            name = f"single x{scale} t1"
+            rows[name] = pipeline_run(name, new, path, 1, args.scratch, None, args.vocab_size, single)
+            sizes[name] = os.path.getsize(path) / MIB
+        name, ref = f"single x{max(args.scales)} t4 w2", rows[f"single x{max(args.scales)} t1"]
+        rows[name] = pipeline_run(name, new, path, 2, args.scratch, None, args.vocab_size, (*single, "--tasks", "4"))
+        rows[name]["same_bytes"] = same_dataset(rows[name]["out"], ref["out"])
+        sizes[name] = os.path.getsize(path) / MIB
+    if "big" in args.cases:
+        path = big_file(os.path.join(args.scratch, "corpus"), args.big_gb)
+        name = f"big {args.big_gb:g} GB w2"
+        rows[name] = pipeline_run(name, new, path, 2, args.scratch, None, args.vocab_size,
+                                  ("--tokenizer-sample-mb", "64"))
+        sizes[name] = os.path.getsize(path) / MIB
+    recall = recall_run(args.scratch, new, args.vocab_size) if "recall" in args.cases else None
+    if args.old_checkout and "sample" in args.cases:
         rows["sample old w1"] = sample_run("sample old w1", args.old_checkout, 1, args.scratch)
         rows["sample new w1"] = sample_run("sample new w1", new, 1, args.scratch)
         for name in ("sample old w1", "sample new w1"):
             sizes[name] = folder_mb(os.path.join(rows[name]["out"], "_source"))
-    probe = {fresh: probe_run(tokenizer, min(glob.glob(os.path.join(folders[base], "*.jsonl"))), fresh)
-             for fresh in (False, True)}
+    probe = ({fresh: probe_run(tokenizer, min(glob.glob(os.path.join(folders[base], "*.jsonl"))), fresh)
+              for fresh in (False, True)} if "multi" in args.cases else {})
     results = list(rows.values())
     print()
     print(table(results, sizes))
     print()
     print(stage_table(results))
     print()
-    print("\n".join(goals(rows, args.scales, args.workers)))
+    print("\n".join(goals(rows, args.scales, args.workers) + single_goals(rows, args.scales)))
+    for r in results:
+        print(f"{r['name']}: {r['command']}")
+    if recall:
+        print(f"MinHash recall, {recall['clusters']} clusters of 4 near copies (exact Jaccard {recall['jaccard_min']:.3f}"
+              f"-{recall['jaccard_max']:.3f}): copies removed at Jaccard >= 0.85: {recall['recall_at_or_above']:.4f}; "
+              f"by Jaccard (copies, removed): {recall['bins']}; originals removed: {recall['originals_removed']}")
     for fresh, rss in probe.items():
         print(f"encoder probe, {'a new' if fresh else 'one'} Tokenizer per task: RSS after task 1 / {len(rss) // 2} / "
               f"{len(rss)}: {rss[0]:.0f} / {rss[len(rss) // 2 - 1]:.0f} / {rss[-1]:.0f} MB")

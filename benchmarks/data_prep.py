@@ -4,6 +4,7 @@
     git worktree add --detach /tmp/new_dp HEAD                         # optional: freeze the new one
     .venv/bin/python benchmarks/data_prep.py [--new-checkout /tmp/new_dp] [--old-checkout /tmp/old_dp]
         [--base-files 8] [--docs-per-file 200] [--scales 1 4 16] [--workers 1 2]
+        [--cases multi single sample] [--cases big --big-gb 1] [--cases recall]
 
 Each checkout runs with PYTHONPATH=<checkout> and is checked to import its own data_prep. About 8 minutes on an idle
 2-core box at the defaults (16x = 77 MB of text in 128 files).
@@ -16,6 +17,14 @@ What it measures, each run a fresh subprocess (`python -m data_prep ...`) into a
   per file the task size stays fixed and the task count grows with the corpus. These runs use a fixed tokenizer
   (`--tokenizer`, trained once by a pipeline run on the 1x corpus, which is also reported) so BPE training memory
   does not dominate. Goal: peak RSS flat (<= 1.3x) from 1x to 16x.
+* single (issue 51): the same corpus as ONE JSONL file at each scale, run as the issue did (`--heldout-fraction 0
+  --tokenizer-sample-mb 2`, a trained BPE, default tasks: one below 256 MB, 1 worker), then the largest with
+  `--tasks 4 --workers 2` (wall time, cores busy = CPU s / wall s, and whether the dataset's bytes are the same).
+  Goal: every stage's largest task, and the largest process, <= 1.3x from 1x to 16x.
+* big: `--big-gb` of fresh synthetic documents as one file, default tasks (one per 256 MB), 2 workers,
+  `--tokenizer-sample-mb 64`: throughput per worker and peak RSS per stage.
+* recall: 1,500 documents, 400 of them with 4 near copies each (0.3-1.6 % of words replaced), one task: which copies
+  dedup removed, by their exact Jaccard (Python sets of the pipeline's shingles) with the original.
 * sample: `python -m data_prep sample --workers 1` with this checkout and with the old in-memory implementation
   (`--old-checkout`, a worktree of the commit before the datatrove rebuild). Goal: new throughput per worker
   within 1.5x of the old.
@@ -31,7 +40,8 @@ process reached, `PSS tree` the largest sum of PSS (pages shared by forked proce
 counted twice as in the RSS sum). `ru_maxrss` (os.wait4 of the command: the largest single process among it and the
 children it reaped; datatrove's forkserver children are not among them) is a cross-check. For the new pipeline the
 time and the peaks are also split by stage, a stage ending at its last datatrove completion marker in the work folder
-(the first stage starts with the command, so imports and planning count to prepare).
+(the first stage starts with the command, so imports and planning count to prepare), and each stage's largest task
+peak as the pipeline records it (`task`: the process's high-water mark, reset when the task starts).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The work folder of one run (`<work>/<config hash>/`, local or any fsspec URL): layout and file helpers.
 
-    counts/<block>/<rank>.json      per-domain counts of each block          (stage prepare)
+    counts/<block>/<rank>.json      per-domain counts of each block (ingest: also lines per file piece)  (prepare)
     docs/<rank>.jsonl.gz            the task's documents after the quality rules
     index/<rank>.npy                one INDEX_DTYPE row per stored document
     sigs/bucket_<b>/<rank>.minhash.sig                                        (datatrove's signature files)
@@ -9,6 +9,7 @@
     tokenizer.json, plan.json                                                 (stage dedup)
     tokens/<rank>.bin, tokens/<rank>.npy   token ids (int32) and TOKENS_DTYPE rows of surviving documents (tokenize)
     written/<rank>.json             what each write task wrote                (stage write)
+    rss/<stage>/<rank>.json         each task's peak RSS                      (every stage; peak.py)
     logs/<stage>/ (write: logs/write-<tasks>/)   datatrove's logs, stats and completion markers (what a re-run skips)
 
 A task owns a contiguous byte slice of the inputs (slices.py), so (rank, position) orders like (input file, line).

@@ -4,6 +4,7 @@ import dataclasses
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -99,6 +100,32 @@ def test_muon_per_expert_and_per_head():
     # and not the fused whole: the per-expert result differs from orthogonalising [E*in, out]
     fused = g1(gx["mtp"]["block"]["mlp"]["up_proj"].reshape(E * D, F)).reshape(E, D, F)
     assert np.abs(fused - ux["mtp"]["block"]["mlp"]["up_proj"]).max() > 1e-2
+
+
+def _dots(jaxpr) -> int:
+    """dot_general equations in a jaxpr and every jaxpr nested in its equations (cond branches, pjit, ...)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == "dot_general"
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+                    n += _dots(getattr(sub, "jaxpr", sub))
+    return n
+
+
+def test_one_newton_schulz_per_matrix_shape_without_sharding():
+    """Unsharded, the leaves whose matrices share a shape share one Newton-Schulz call (5 steps x 3 products): here
+    two calls, (16, 8) for the experts, q_proj per head and the MTP experts, and (8, 16) for o_proj per head, not
+    one per leaf (4). test_muon_per_expert_and_per_head checks those batched results against float64 NumPy."""
+    L, E, D, F, H, Dh = 2, 3, 16, 8, 4, 8
+    params = {"moe_layers": {"mlp": {"gate_proj": _rand(0, (L, E, D, F))},
+                             "self_attn": {"q_proj": _rand(1, (L, D, H, Dh)), "o_proj": _rand(2, (L, H, Dh, D))}},
+              "mtp": {"block": {"mlp": {"up_proj": _rand(3, (E, D, F))}}}}
+    tx, _ = build_optimizer(_cfg(muon_ns_dtype="float32"), params)
+    grads = jax.tree.map(lambda x: jnp.cos(7 * x), params)
+    jaxpr = jax.make_jaxpr(lambda g, s: tx.update(g, s, params))(grads, tx.init(params))
+    assert _dots(jaxpr.jaxpr) == 2 * 5 * 3
 
 
 # --- Newton-Schulz in bf16 (muon_ns_dtype) ----------------------------------------------------

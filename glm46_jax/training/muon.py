@@ -18,6 +18,7 @@ experts, heads). Which leaves are Muon, the weight decay and the lr are training
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Any
 
@@ -98,6 +99,42 @@ def _matrices(x: jax.Array, dims: MDN):
     return x.transpose(perm).reshape(shape), inverse
 
 
+# The most elements `_by_shape` concatenates into one Newton-Schulz call (4 MiB in fp32): on the CPU, larger batches
+# ran slower than their leaves one by one (docs/performance.md#muon-leaves-batched-by-shape).
+BATCH_ELEMENTS = 1 << 20
+
+
+def _one_device() -> bool:
+    """No mesh, or one of a single device: nothing is sharded, so any leaves may share one Newton-Schulz call."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1
+
+
+def _by_shape(xs: dict[int, jax.Array], orthogonalise) -> dict[int, jax.Array]:
+    """`orthogonalise` of every [batch, fan_in, fan_out] array in xs, those of one matrix shape concatenated on
+    their batch axis into one call (up to BATCH_ELEMENTS each; a larger leaf stays alone). Each matrix is still normalised and iterated on its own (the same numbers), but
+    a step has one Newton-Schulz per matrix shape instead of one per leaf: the optimizer was a third of the tiny
+    model's train-step compile (docs/performance.md#muon-leaves-batched-by-shape). Only without sharding
+    (`_one_device`): concatenating leaves of different layouts would move them between devices."""
+    groups: dict[tuple, list[int]] = {}
+    filled: dict[tuple[int, ...], tuple[int, int]] = {}  # matrix shape -> (its open group's number, elements)
+    for i, x in xs.items():
+        number, size = filled.get(x.shape[1:], (0, 0))
+        if size and size + x.size > BATCH_ELEMENTS:  # that group is full: open the next one of this shape
+            number, size = number + 1, 0
+        filled[x.shape[1:]] = (number, size + x.size)
+        groups.setdefault((x.shape[1:], number), []).append(i)
+    out = {}
+    for members in groups.values():
+        if len(members) == 1:
+            out[members[0]] = orthogonalise(xs[members[0]])
+            continue
+        ends = list(itertools.accumulate(xs[i].shape[0] for i in members))
+        together = orthogonalise(jnp.concatenate([xs[i] for i in members]))
+        out.update({i: together[start:end] for i, start, end in zip(members, [0, *ends[:-1]], ends, strict=True)})
+    return out
+
+
 def ns_dtype_branches(name: str) -> dict[str, Any]:
     """`ns_dtype` (one of NS_DTYPES) as `jax.lax.platform_dependent` branches of dtypes: "auto" is decided by the
     platform the program is compiled for (so a GPU program lowered on a CPU host gets bf16), never by the host."""
@@ -126,6 +163,7 @@ def scale_by_muon(momentum: float = 0.95, ns_steps: int = 5, ns_dtype: str = "au
         c_mu, c_g = beta / (1 - beta ** (t + 1)), (1 - beta) / (1 - beta ** t)
 
         ns = {k: functools.partial(newton_schulz, dtype=d, steps=ns_steps) for k, d in dtypes.items()}
+        orthogonalise = (lambda x: jax.lax.platform_dependent(x, **ns)) if len(ns) > 1 else ns["default"]
 
         def moment(g, m):
             return g if masked(g) else (beta * m + (1 - beta) * g).astype(m.dtype)
@@ -134,11 +172,19 @@ def scale_by_muon(momentum: float = 0.95, ns_steps: int = 5, ns_dtype: str = "au
             if masked(g):
                 return g
             x, inverse = _matrices(c_mu * m + c_g * g, muon_dims(path, g))
-            o = jax.lax.platform_dependent(x, **ns) if len(ns) > 1 else ns["default"](x)
-            return inverse(o).astype(g.dtype)
+            return inverse(orthogonalise(x)).astype(g.dtype)
 
         mu = jax.tree.map(moment, updates, state.mu, is_leaf=masked)
-        new_updates = jax.tree_util.tree_map_with_path(direction, updates, mu, is_leaf=masked)
+        if not _one_device():  # sharded leaves: one Newton-Schulz each (see _by_shape)
+            new_updates = jax.tree_util.tree_map_with_path(direction, updates, mu, is_leaf=masked)
+            return new_updates, state._replace(count=count, mu=mu)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=masked)
+        matrices = {i: _matrices(c_mu * m + c_g * g, muon_dims(path, g))
+                    for i, ((path, g), m) in enumerate(zip(flat, treedef.flatten_up_to(mu), strict=True))
+                    if not masked(g)}
+        out = _by_shape({i: x for i, (x, _) in matrices.items()}, orthogonalise)
+        new_updates = treedef.unflatten([g if i not in out else matrices[i][1](out[i]).astype(g.dtype)
+                                         for i, (_, g) in enumerate(flat)])
         return new_updates, state._replace(count=count, mu=mu)
 
     return optax.GradientTransformation(reference.init, update)

@@ -126,7 +126,8 @@ def encode_documents(tok: Tokenizer, texts: Sequence[str], eos_id: int) -> list[
     before = os.environ.get(_PARALLELISM)
     os.environ[_PARALLELISM] = "false"
     try:
-        encodings = tok.encode_batch_fast(list(texts), add_special_tokens=False)
+        encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast: tokenizers >= 0.20.1 (no offsets)
+        encodings = encode(list(texts), add_special_tokens=False)
     finally:
         if before is None:
             del os.environ[_PARALLELISM]

@@ -110,15 +110,18 @@ def _completed(plan: Plan, stage: str, tasks: int) -> int:
 
 def run(cfg: PipelineConfig, wait: bool = False) -> dict[str, Any]:
     """Runs (local, ray) or submits (slurm) every stage; returns {"work", "skipped": {stage: tasks}, "jobs",
-    "peak_rss": {stage: {"max_mb", "tasks"}} (local and ray)}."""
+    "peak_rss": {stage: {"max_mb", "tasks"}} (slurm: with `wait` only)}."""
     plan = make_plan(cfg)
     out = get_datafolder(cfg.out)
     if out.isfile("metadata.json"):
         out.rm("metadata.json")  # metadata.json present <=> the dataset is complete and consistent
     pipelines = stage_pipelines(cfg, plan)
     skipped = {stage: _completed(plan, stage, tasks) for stage, (_, tasks) in pipelines.items()}
+    counts = {stage: n for stage, (_, n) in pipelines.items()}
     if cfg.executor.kind == "slurm":
-        return {"work": plan.work, "skipped": skipped, "jobs": _submit(cfg, plan, pipelines, wait)}
+        jobs = _submit(cfg, plan, pipelines, wait)
+        return {"work": plan.work, "skipped": skipped, "jobs": jobs,
+                "peak_rss": peak.stage_peaks(plan.work, counts) if wait else {}}
     if cfg.executor.kind == "ray":
         import ray
 
@@ -136,8 +139,7 @@ def run(cfg: PipelineConfig, wait: bool = False) -> dict[str, Any]:
                               f"{_logs(plan, stage, tasks)}/logs; re-run the same command to retry them")
         if stage == "dedup":
             _check_survivors(cfg, plan)
-    peaks = peak.stage_peaks(plan.work, {stage: tasks for stage, (_, tasks) in pipelines.items()})
-    return {"work": plan.work, "skipped": skipped, "jobs": [], "peak_rss": peaks}
+    return {"work": plan.work, "skipped": skipped, "jobs": [], "peak_rss": peak.stage_peaks(plan.work, counts)}
 
 
 def run_pipeline(cfg: PipelineConfig) -> tuple[dict[str, Any], dict[str, Any]]:

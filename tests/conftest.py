@@ -1,5 +1,6 @@
 """Test-wide setup: 8 virtual CPU devices, set before anything imports jax."""
 
+import functools
 import os
 
 # LLVM at -O0 for XLA:CPU's generated code: most of the suite's time is XLA compiling hundreds of small programs,
@@ -41,6 +42,16 @@ def subprocess_env(devices: int | None = 1, **extra: str) -> dict[str, str]:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags), "PYTHONPATH": ROOT,
             "JAX_COMPILATION_CACHE_DIR": os.environ["GLM46_JAX_TEST_XLA_CACHE"],
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(compile_cache.MIN_COMPILE_S), **extra}
+
+@functools.cache
+def jitted_apply(graphdef, **options):
+    """`model.apply(graphdef, params, buffers, *args, **options, **kw)` jitted once per (graphdef, options) for the
+    test process, so every shape is traced, lowered and compiled once: a helper that wraps `apply` in a new
+    `jax.jit(lambda ...)` at every call does all three again each time, for shapes it has already compiled."""
+    from glm46_jax.model import apply
+
+    return jax.jit(lambda params, buffers, *args, **kw: apply(graphdef, params, buffers, *args, **options, **kw))
+
 
 def apply_flags(config, flags: list[str]):
     """A training CLI's `--config.a.b=value` flags applied to its ConfigDict in this process (the same run, in-process),

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, jitted_apply
 from flax import nnx
 from safetensors.numpy import load_file
 
@@ -29,7 +29,6 @@ from glm46_jax.interop import convert
 from glm46_jax.parallel import sharding
 from glm46_jax.config import model_config_from_dict
 from glm46_jax.interop.hf import load_hf, save_hf
-from glm46_jax.model import apply
 from glm46_jax.run_config import from_config_dict
 from glm46_jax.train import train
 
@@ -100,7 +99,7 @@ CONTINUATION_KEYS = ("train/loss", "train/ce", "train/grad_norm", "train/update_
 def _nll(mesh, graphdef, params, buffers, ids: list[int]) -> np.ndarray:
     """Next-token NLLs of `ids`: the model's float32 logits (README-style jitted `apply`), log-softmaxed in float64."""
     with sharding.use_mesh(mesh):
-        out = jax.jit(lambda p, b, t: apply(graphdef, p, b, t))(params, buffers, jax.numpy.asarray([ids], np.int32))
+        out = jitted_apply(graphdef)(params, buffers, jax.numpy.asarray([ids], np.int32))
     assert out.mtp_logits is not None and out.mtp_logits.shape == out.logits.shape  # the MTP layer came along
     logits = np.asarray(out.logits[0], np.float64)
     logp = logits - logits.max(-1, keepdims=True)

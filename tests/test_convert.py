@@ -15,14 +15,14 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from conftest import FIXTURES
+from conftest import FIXTURES, jitted_apply
 from glm46_jax.training import checkpoint
 from glm46_jax.interop import convert, hf
 from glm46_jax.parallel import sharding
 from glm46_jax.cli import InputError
 from glm46_jax.config import from_hf_config, get_preset
 from glm46_jax.interop.hf import load_hf
-from glm46_jax.model import apply, init_model
+from glm46_jax.model import init_model
 from test_hf_parity import without_mtp
 from test_score import assert_one_line_error, run_cli
 
@@ -56,8 +56,8 @@ def _tensors(hf_dir):
 
 def _logits(mesh, graphdef, params, buffers, ids, positions=None):
     with sharding.use_mesh(mesh):
-        out = jax.jit(lambda p, b, t, pos: apply(graphdef, p, b, t, pos))(params, buffers, jnp.asarray(ids, jnp.int32),
-                                                                         None if positions is None else jnp.asarray(positions))
+        out = jitted_apply(graphdef)(params, buffers, jnp.asarray(ids, jnp.int32),
+                                     None if positions is None else jnp.asarray(positions))
     return out
 
 

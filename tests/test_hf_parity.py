@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from conftest import FIXTURES
+from conftest import FIXTURES, jitted_apply
 from glm46_jax.parallel import sharding
 from glm46_jax.cli import InputError
 from glm46_jax.interop.hf import load_hf, read_config, save_hf
@@ -26,8 +26,7 @@ CASES = ["hf_full", "hf_air", "hf_mqa"]
 
 def _forward(mesh, graphdef, params, buffers, gold):
     with sharding.use_mesh(mesh):
-        fn = jax.jit(lambda p, b, t, pos: apply(graphdef, p, b, t, pos))
-        return fn(params, buffers, jnp.asarray(gold["input_ids"]), jnp.asarray(gold["position_ids"]))
+        return jitted_apply(graphdef)(params, buffers, jnp.asarray(gold["input_ids"]), jnp.asarray(gold["position_ids"]))
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, jitted_apply
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
@@ -36,7 +36,7 @@ def base(mesh1):
 
 def _logits(mesh, graphdef, params, buffers, ids):
     with sharding.use_mesh(mesh):
-        return np.asarray(jax.jit(lambda p, b, t: apply(graphdef, p, b, t).logits)(params, buffers, jnp.asarray(ids)))
+        return np.asarray(jitted_apply(graphdef)(params, buffers, jnp.asarray(ids)).logits)
 
 
 def _randomize_b(adapters, seed=0, std=0.2):

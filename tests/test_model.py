@@ -14,6 +14,8 @@ from flax import nnx
 from glm46_jax.parallel import sharding
 from glm46_jax.config import TINY
 from glm46_jax.model import abstract_model, apply, init_model
+
+from conftest import jitted_apply
 from glm46_jax.model.experts import grouped_experts
 
 CFG = dataclasses.replace(TINY, vocab_size=128)
@@ -113,8 +115,7 @@ def test_capacity_drops_match_hand_count():
 
 def _logits(mesh, graphdef, params, buffers, tokens, positions=None, segments=None, **kw):
     with sharding.use_mesh(mesh):
-        fn = jax.jit(lambda p, b, t, pos, seg: apply(graphdef, p, b, t, pos, seg, **kw))
-        return fn(params, buffers, tokens, positions, segments)
+        return jitted_apply(graphdef, **kw)(params, buffers, tokens, positions, segments)
 
 
 def test_packed_documents_do_not_attend_to_each_other(mesh1):

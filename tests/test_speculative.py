@@ -19,6 +19,8 @@ from glm46_jax.config import TINY
 from glm46_jax.training.loss import token_nll
 from glm46_jax.model import abstract_model, apply, init_model
 
+from conftest import jitted_apply
+
 VOCAB = 16
 CFG = dataclasses.replace(TINY, vocab_size=VOCAB, dtype="float32", moe_capacity_factor=0.0)
 PROMPTS = [[3, 1, 4, 1, 5, 9], [2, 6], [5, 3, 5, 8], [9]]
@@ -140,9 +142,9 @@ def _exact_distribution(model, mesh, prompt, n, temperature, top_k):
     prefixes = np.array([prompt], np.int32)
     probs = np.ones(1)
     with sharding.use_mesh(mesh):
-        fwd = jax.jit(lambda t: apply(graphdef, params, buffers, t, with_mtp=False).logits[:, -1])
+        fwd = jitted_apply(graphdef, with_mtp=False)
         for _ in range(n):
-            logits = np.asarray(fwd(jnp.asarray(prefixes)), np.float64) / temperature
+            logits = np.asarray(fwd(params, buffers, jnp.asarray(prefixes)).logits[:, -1], np.float64) / temperature
             kth = np.sort(logits, -1)[:, -top_k][:, None]
             logits = np.where(logits >= kth, logits, -np.inf)
             p = np.exp(logits - logits.max(-1, keepdims=True))
@@ -246,8 +248,7 @@ def _naive_speculative(model, mesh, prompt, n):
     and the (drafted, accepted) counts the cached implementation must reproduce."""
     graphdef, params, buffers = model
     with sharding.use_mesh(mesh):
-        fwd = jax.jit(lambda t: apply(graphdef, params, buffers, t))
-        out = lambda seq: fwd(jnp.asarray([seq], jnp.int32))
+        out = lambda seq: jitted_apply(graphdef)(params, buffers, jnp.asarray([seq], jnp.int32))
         seq = list(prompt) + [int(np.argmax(np.asarray(out(prompt).logits)[0, -1]))]
         drafted = accepted = 0
         while len(seq) - len(prompt) < n:

@@ -263,3 +263,21 @@ def test_frozen_weights_are_not_trained_and_the_rest_steps_as_in_the_full_model(
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
     chex.assert_trees_all_equal(_host(frozen), frozen_before)
     assert np.isfinite(float(metrics["loss"])) and ce_after < float(metrics["ce"])
+
+
+def test_equal_configs_share_one_optimizer_and_one_jitted_step(mesh1):
+    """A second run in one process (a resume, another seed) gets the jitted step the first one traced: the
+    optimizer of one OptimConfig is one object, and the step of equal (graphdef, optimizer, configs) one function;
+    any field that differs gives new ones."""
+    from glm46_jax.model import abstract_model
+
+    tx, schedule = build_optimizer(OptimConfig(lr=1e-2))
+    assert build_optimizer(OptimConfig(lr=1e-2)) == (tx, schedule)
+    assert build_optimizer(OptimConfig(lr=2e-2))[0] is not tx
+    assert build_optimizer(OptimConfig(lr=1e-2), sharded=False)[0] is not tx
+    graphdef = abstract_model(CFG, mesh1)[0]
+    step = make_train_step(graphdef, tx, CFG, StepConfig(), lr_schedule=schedule)
+    assert make_train_step(abstract_model(CFG, mesh1)[0], tx, CFG, StepConfig(), lr_schedule=schedule) is step
+    assert make_train_step(graphdef, tx, CFG, StepConfig(accum_steps=2), lr_schedule=schedule) is not step
+    assert make_train_step(graphdef, build_optimizer(OptimConfig(lr=2e-2))[0], CFG, StepConfig(),
+                           lr_schedule=schedule) is not step

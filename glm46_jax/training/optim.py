@@ -288,13 +288,21 @@ def build_optimizer(cfg: OptimConfig, params: Any = None, *, sharded: bool = Tru
     leaves params and moments untouched and is counted in the state (`notfinite_count`,
     `total_notfinite`); it never gives up and applies one, the training loop stops the run instead.
     """
+    if cfg.algorithm != "adamw" and params is not None:
+        param_labels(params, cfg)  # raises early on an unexpected tree
+    return _optimizer(cfg, sharded, skip_nonfinite)
+
+
+@functools.cache
+def _optimizer(cfg: OptimConfig, sharded: bool, skip_nonfinite: bool
+               ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    # One object per configuration in a process: the train step built on it is then the same jitted function
+    # too (training/step.py), and a second run in the process (a resume, another seed) traces nothing again.
     schedule = make_schedule(cfg)
     if cfg.algorithm == "adamw":
         matrices = lambda tree: jax.tree.map(lambda x: x.ndim >= 2, tree)  # noqa: E731
         inner = optax.adamw(schedule, cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay, mask=matrices)
     else:
-        if params is not None:
-            param_labels(params, cfg)  # raises early on an unexpected tree
         inner = muon_adamw(cfg, schedule)
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip), inner)
     tx = sharded_update(tx) if sharded else tx

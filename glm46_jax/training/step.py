@@ -18,6 +18,7 @@ inside `loss_fn`, rebuilt from the graphdef on every trace.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -207,6 +208,10 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
     return jax.jit(step, donate_argnums=(0,))
 
 
+# The language-model steps are cached per (graphdef, optimizer, configs): the optimizer of one OptimConfig is one
+# object per process (training/optim.py), so a second run in a process (a resume, the next seed, a notebook's
+# next call) gets the jitted function it already traced and compiled for the same shapes and mesh.
+@functools.cache
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: ModelConfig,
                     step_cfg: StepConfig = StepConfig(), *, lr_schedule: optax.Schedule | None = None,
                     name: str = "model") -> Callable[[TrainState, Batch, Controls, Frozen], tuple[TrainState, dict]]:
@@ -241,6 +246,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cf
 _NORMS = ("tokens", "mtp_tokens", "sequences")  # batch_norms' keys
 
 
+@functools.cache
 def make_eval_step(graphdef: nnx.GraphDef, cfg: ModelConfig, loss_cfg: LossConfig = LossConfig(), *,
                    name: str = "model") -> Callable[[TrainState, Batch, Controls, Frozen], dict[str, Array]]:
     """eval(state, batch, controls[, frozen]) -> loss metrics and perplexity, no gradients (inside `use_mesh`);

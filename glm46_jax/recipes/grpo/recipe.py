@@ -25,7 +25,7 @@ import functools
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -344,11 +344,9 @@ class GRPO(RecipeBase):
         return tuple(stats.items())
 
     def _ref_logprobs(self, reference: nnx.State, buffers: nnx.State, batch: dict[str, jax.Array]) -> jax.Array:
-        if not hasattr(self, "_ref_fn"):
-            self._ref_fn = jax.jit(lambda p, fz, b, batch: completion_logprobs(
-                with_frozen(p, fz), b, self.main.graphdef, batch, self.rl.temperature, self.rl.routing_replay)[0])
+        fn = _reference_logprobs(self.main.graphdef, self.rl.temperature, self.rl.routing_replay)
         with sharding.use_mesh(self.mesh):
-            return self._ref_fn(reference, self._policy_base(), buffers, batch)
+            return fn(reference, self._policy_base(), buffers, batch)
 
     # --- held-out accuracy -------------------------------------------------------------------
 
@@ -432,3 +430,9 @@ def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
     reference = jax.tree.map(jnp.copy, built.state.params) if rl.kl_coef > 0 else None
     logging.info("%d GRPO steps (%d per rollout) on %s", cfg.total_steps, rl.updates_per_rollout, rl.prompts)
     return GRPO(cfg, built, reference, scorer=model_scorer(cfg, built.mesh), **inputs), built.state
+
+
+@functools.cache  # one jitted function per (graphdef, settings): the next run in a process reuses it
+def _reference_logprobs(graphdef: nnx.GraphDef, temperature: float, routing_replay: bool) -> Callable:
+    return jax.jit(lambda p, fz, b, batch: completion_logprobs(with_frozen(p, fz), b, graphdef, batch, temperature,
+                                                              routing_replay)[0])

@@ -12,6 +12,7 @@ and frozen weights for LoRA as pre-training's), so the generic trainer runs it; 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -87,6 +88,7 @@ def grpo_loss(params: nnx.State, buffers: nnx.State, batch: dict[str, Array], gr
     return loss, metrics
 
 
+@functools.cache  # one jitted step per (graphdef, optimizer, settings): the next seed in a process reuses it
 def make_grpo_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, settings: StepSettings, *,
                    lr_schedule: optax.Schedule | None = None, name: str = "policy") -> Callable:
     """step(state, batch, controls[, frozen]) -> (state, metrics): `grpo_loss` in the one update step

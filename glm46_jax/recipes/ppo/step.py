@@ -13,6 +13,7 @@ model's own optimizer applies PPO's two updates. Neither model's correction bias
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -86,13 +87,19 @@ def make_ppo_step(policy: nnx.GraphDef, critic: nnx.GraphDef, txs: dict[str, opt
                   settings: PPOSettings, *, lr_schedule: optax.Schedule | None = None) -> Callable:
     """step(state, batch, controls[, frozen]) -> (state, metrics): `ppo_loss` in the one update step (the spike /
     non-finite skip covers both models)."""
+    return _ppo_step(policy, critic, tuple(txs.items()), settings, lr_schedule)
 
+
+@functools.cache  # one jitted step per (graphdefs, optimizers, settings): the next seed in a process reuses it
+def _ppo_step(policy: nnx.GraphDef, critic: nnx.GraphDef, txs: tuple, settings: PPOSettings,
+              lr_schedule: optax.Schedule | None) -> Callable:
     def loss(params, buffers, batch, ctx):
         return ppo_loss(params, buffers, batch, policy, critic, settings, ctx.get("policy_weight", 1.0))
 
-    return make_step(loss, txs, "policy", lr_schedule=lr_schedule)
+    return make_step(loss, dict(txs), "policy", lr_schedule=lr_schedule)
 
 
+@functools.cache
 def values_fn(critic: nnx.GraphDef) -> Callable:
     """jit(params, buffers, inputs) -> the critic's values [b, s-1] (at rollout time)."""
     return jax.jit(lambda p, b, inputs: critic_values(p, b, critic, inputs))

@@ -111,26 +111,22 @@ def _one_device() -> bool:
 
 
 def _by_shape(xs: dict[int, jax.Array], orthogonalise) -> dict[int, jax.Array]:
-    """`orthogonalise` of every [batch, fan_in, fan_out] array in xs, those of one matrix shape concatenated on
-    their batch axis into one call (up to BATCH_ELEMENTS each; a larger leaf stays alone). Each matrix is still normalised and iterated on its own (the same numbers), but
-    a step has one Newton-Schulz per matrix shape instead of one per leaf: the optimizer was a third of the tiny
-    model's train-step compile (docs/performance.md#muon-leaves-batched-by-shape). Only without sharding
-    (`_one_device`): concatenating leaves of different layouts would move them between devices."""
-    groups: dict[tuple, list[int]] = {}
-    filled: dict[tuple[int, ...], tuple[int, int]] = {}  # matrix shape -> (its open group's number, elements)
+    """`orthogonalise` of every [batch, fan_in, fan_out] array in xs; those of one matrix shape are concatenated on
+    their batch axis into one call of at most BATCH_ELEMENTS (a larger leaf goes alone). Each matrix is still
+    normalised and iterated on its own (the same numbers), but a step has about one Newton-Schulz per matrix shape
+    instead of one per leaf: the optimizer was a third of the tiny model's train-step compile
+    (docs/performance.md#muon-leaves-batched-by-shape). Only without sharding (`_one_device`): concatenating leaves
+    of different layouts would move them between devices."""
+    calls: dict[tuple[int, ...], list[list[int]]] = {}  # matrix shape -> the leaves of each call, the last one open
     for i, x in xs.items():
-        number, size = filled.get(x.shape[1:], (0, 0))
-        if size and size + x.size > BATCH_ELEMENTS:  # that group is full: open the next one of this shape
-            number, size = number + 1, 0
-        filled[x.shape[1:]] = (number, size + x.size)
-        groups.setdefault((x.shape[1:], number), []).append(i)
+        shape_calls = calls.setdefault(x.shape[1:], [[]])
+        if shape_calls[-1] and sum(xs[j].size for j in shape_calls[-1]) + x.size > BATCH_ELEMENTS:
+            shape_calls.append([])
+        shape_calls[-1].append(i)
     out = {}
-    for members in groups.values():
-        if len(members) == 1:
-            out[members[0]] = orthogonalise(xs[members[0]])
-            continue
-        ends = list(itertools.accumulate(xs[i].shape[0] for i in members))
+    for members in (m for shape_calls in calls.values() for m in shape_calls):
         together = orthogonalise(jnp.concatenate([xs[i] for i in members]))
+        ends = list(itertools.accumulate(xs[i].shape[0] for i in members))
         out.update({i: together[start:end] for i, start, end in zip(members, [0, *ends[:-1]], ends, strict=True)})
     return out
 

@@ -17,7 +17,7 @@ import os
 
 import ml_collections
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.model.lora import LoRAConfig
 from glm46_jax.run_config import RLConfig, fine_tuning_config
 

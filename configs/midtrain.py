@@ -22,7 +22,7 @@ import os
 
 import ml_collections
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.run_config import config_file
 
 B = 10**9

@@ -28,12 +28,12 @@ import dataclasses
 import ml_collections
 from ml_collections import config_dict
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import get_preset
 from glm46_jax.run_config import CheckpointConfig, DataConfig, DistributedConfig, MeshConfig, TrainConfig
 from glm46_jax.training.balancing import BalanceConfig
 from glm46_jax.training.loss import LossConfig
-from glm46_jax.training.monitor import MonitorConfig
+from glm46_jax.monitoring.monitor import MonitorConfig
 from glm46_jax.training.optim import OptimConfig
 
 T, B = 10**12, 10**9

@@ -31,7 +31,7 @@ from data_prep.quality import parse_rule_override
 from data_prep.tokenizer import EOS_TOKEN
 from data_prep.tokenizer import load as load_tokenizer
 from glm46_jax import atomic, cli
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.interop import chat
 
 # A mistake in what the user gave; anything else is a bug and keeps its traceback. Path errors count:

@@ -34,7 +34,7 @@ from data_prep.pipeline import (
     stage_pipelines,
 )
 from data_prep.work import load_json
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 
 EXECUTORS = ("local", "slurm", "ray")
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # what Slurm tasks import data_prep from

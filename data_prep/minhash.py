@@ -20,7 +20,7 @@ import numpy as np
 from datatrove.pipeline.dedup.minhash import MinhashConfig
 from datatrove.utils.hashing import HashConfig
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 
 _WORD = re.compile(r"\w+")
 _POLY = np.uint64(0x100000001B3)  # FNV-64 prime: odd, so the window polynomial mixes every position

@@ -32,7 +32,7 @@ from data_prep.inputs import ReaderOptions, ReadTask, empty_file, expand_inputs,
 from data_prep.tokenizer import EOS_TOKEN, load
 from data_prep.work import load_json
 from glm46_jax import atomic
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 
 Stats = dict[str, Any]
 METADATA_VERSION = 1

@@ -29,7 +29,7 @@ from data_prep import shards
 from data_prep.sft import Malformed, begin_dataset, read_lines, save_split, skip_report_lines
 from data_prep.tokenizer import TokenizerInfo
 from glm46_jax import atomic
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.interop import chat
 
 METADATA_VERSION = 1

@@ -15,7 +15,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 
 # Gopher's stop-word rule: English prose contains these words; boilerplate, tables and junk rarely do.
 STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})

@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 from data_prep import shards
 from data_prep.tokenizer import TokenizerInfo
 from glm46_jax import atomic
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.interop import chat
 
 METADATA_VERSION = 1

@@ -28,11 +28,11 @@ from absl import flags
 from ml_collections import config_flags
 
 from glm46_jax import cli, run_config
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.parallel import sharding
 from glm46_jax.recipes import pretrain
 from glm46_jax.run_config import RunConfig
-from glm46_jax.training import metrics
+from glm46_jax.monitoring import metrics
 
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps after compilation.")

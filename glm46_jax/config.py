@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from glm46_jax.cli import InputError, check_choice, check_field, check_known_fields, check_range
+from glm46_jax.errors import InputError, check_choice, check_field, check_known_fields, check_range
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "blockwise", "auto")

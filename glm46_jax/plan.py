@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from glm46_jax import cli, run_config
+from glm46_jax import cli, errors, run_config
 from glm46_jax.config import ModelConfig
 from glm46_jax.model.counting import ParamCounts, flops_per_token, matmul_params_per_token, param_counts
 from glm46_jax.model.paths import LAYER_STACKS, path_names
@@ -235,28 +235,28 @@ def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None
     """Per-device memory of training `cfg` on a mesh of `mesh_sizes` (missing axes are 1).
 
     One axis may be -1 (the remaining devices) when `devices` is given; otherwise the mesh has
-    prod(sizes) devices. Raises cli.InputError (a ValueError) with the reason (`sharding.mesh_shape`,
+    prod(sizes) devices. Raises errors.InputError (a ValueError) with the reason (`sharding.mesh_shape`,
     `sharding.validate_mesh`) when the model cannot be laid out on the mesh, and when
     `global_batch` is not a whole number of micro-steps.
     """
     if devices is None:
         if any(int(v) == -1 for v in mesh_sizes.values()):
-            raise cli.InputError(f"mesh {dict(mesh_sizes)}: an axis of -1 (the rest) needs the device count "
+            raise errors.InputError(f"mesh {dict(mesh_sizes)}: an axis of -1 (the rest) needs the device count "
                                  "(--devices)")
         devices = math.prod(int(v) for v in mesh_sizes.values())
     sizes = sharding.mesh_shape(mesh_sizes, devices)
     sharding.validate_mesh(sizes, cfg, global_batch)
     if micro_batch < 1 or seq_len < 1:
-        raise cli.InputError(f"--micro-batch={micro_batch} and --seq-len={seq_len} must be >= 1")
+        raise errors.InputError(f"--micro-batch={micro_batch} and --seq-len={seq_len} must be >= 1")
     sharding.check_context_split(seq_len, sizes["context"], "--seq-len")
     remat = cfg.remat if remat is None else remat
     data_parallel = math.prod(sizes[a] for a in sharding.mesh_axes("batch"))
     if global_batch is not None and global_batch % (micro_batch * data_parallel):
-        raise cli.InputError(f"train.global_batch={global_batch} is not a multiple of micro-batch {micro_batch} "
+        raise errors.InputError(f"train.global_batch={global_batch} is not a multiple of micro-batch {micro_batch} "
                              f"x {data_parallel} batch shards (data x expert x pipeline) = "
                              f"{micro_batch * data_parallel}")
     if sizes["pipeline"] > 1 and (sizes["pipeline"] * micro_batch) % (cfg.pipeline_microbatches or sizes["pipeline"]):
-        raise cli.InputError(f"--micro-batch={micro_batch}: a stage streams pipeline x micro-batch = "
+        raise errors.InputError(f"--micro-batch={micro_batch}: a stage streams pipeline x micro-batch = "
                              f"{sizes['pipeline'] * micro_batch} rows in model.pipeline_microbatches="
                              f"{cfg.pipeline_microbatches or sizes['pipeline']} micro-batches; make them divide")
 
@@ -319,13 +319,13 @@ def parse_mesh(text: str) -> dict[str, int]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         m = re.fullmatch(r"(\w+)\s*=\s*(-?\d+)", part)
         if not m:
-            raise cli.InputError(f"--mesh={text!r}: {part!r} is not axis=size (axes: "
+            raise errors.InputError(f"--mesh={text!r}: {part!r} is not axis=size (axes: "
                                  f"{', '.join(sharding.MESH_AXES)})")
         if m.group(1) in sizes:
-            raise cli.InputError(f"--mesh={text!r}: axis {m.group(1)!r} given twice")
+            raise errors.InputError(f"--mesh={text!r}: axis {m.group(1)!r} given twice")
         sizes[m.group(1)] = int(m.group(2))
     if not sizes:
-        raise cli.InputError(f"--mesh={text!r}: no axis=size entries")
+        raise errors.InputError(f"--mesh={text!r}: no axis=size entries")
     return sizes
 
 
@@ -363,7 +363,7 @@ def _flags(argv: list[str]):
         raise SystemExit(0)
     cli.parse_flags(fv, ["glm46_jax.plan", *argv])  # a bad flag or --config.x.y: one-line InputError
     if f["config"].value is None:
-        raise cli.InputError("--config is required, e.g. --config=configs/pretrain.py:glm45")
+        raise errors.InputError("--config is required, e.g. --config=configs/pretrain.py:glm45")
     return {"config_path": fv["config"].config_filename, **{k: v.value for k, v in f.items()}}
 
 

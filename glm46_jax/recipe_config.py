@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from glm46_jax.cli import check_at_least, check_choice, check_field, check_range
+from glm46_jax.errors import check_at_least, check_choice, check_field, check_range
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@
 The ml_collections file in `configs/` stays the user interface (`--config.train.steps=10`
 overrides keep working); below `main` everything takes these dataclasses. Each section checks
 itself in `__post_init__` and names the field as the user sets it (`train.eval_every=-1: ...`), so
-a bad value stops the run before anything is built, with one line (`cli.InputError`). The model,
+a bad value stops the run before anything is built, with one line (`errors.InputError`). The model,
 optimizer, loss and balancing sections are their own modules' dataclasses (ModelConfig,
 OptimConfig, LossConfig, BalanceConfig) and validate themselves the same way (docs/trainer.md#layers-of-a-run).
 """
@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from glm46_jax.cli import InputError, check_at_least, check_choice, check_field, check_known_fields
+from glm46_jax.errors import InputError, check_at_least, check_choice, check_field, check_known_fields
 from glm46_jax.config import ModelConfig, model_config_from_dict
 from glm46_jax.data import curriculum as curriculum_lib
 from glm46_jax.data.curriculum import Curriculum
@@ -40,7 +40,7 @@ from glm46_jax.recipe_config import (
 from glm46_jax.training.balancing import BalanceConfig
 from glm46_jax.training.loss import LossConfig
 from glm46_jax.training.optim import OptimConfig
-from glm46_jax.training.monitor import MonitorConfig
+from glm46_jax.monitoring.monitor import MonitorConfig
 from glm46_jax.training.trainer import TrainConfig
 
 

@@ -14,7 +14,7 @@ Writes to `run_dir`: config.json (the config as given), tokenizer.json (the corp
 metrics.jsonl and tensorboard/ (`monitor.sinks`: also Prometheus and W&B; docs/monitoring.md), checkpoints/<step>/ (`checkpoint.Checkpointer`:
 weights, optimizer, data-iterator state, meta), from which a restarted run resumes, and at the end
 status.json: {"state": "complete" | "stopped" (by SIGTERM/SIGUSR1, saved and resumable), "step",
-"total_steps", "reason"}, or "hung" (written by the watchdog, glm46_jax/training/watchdog.py).
+"total_steps", "reason"}, or "hung" (written by the watchdog, glm46_jax/monitoring/watchdog.py).
 
 Multi-process (`distributed.initialize`, called first by `main`: Slurm's srun, or
 `launch/local_multiprocess.sh N`): every process runs this same program on its own devices and
@@ -37,7 +37,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from glm46_jax import atomic, cli, run_config
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.parallel import distributed
 from glm46_jax.run_config import RunConfig
 from glm46_jax.training import checkpoint, trainer

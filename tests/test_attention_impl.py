@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_api
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import TINY, ModelConfig
 from glm46_jax.model import abstract_model, apply, attention, init_model
 from glm46_jax.model.attention import (CUDNN_MAX_SEGMENTS, _xla_attention, attention_mask, resolved_attention_impl,

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from glm46_jax.bench import _table, bench
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import get_preset
 from glm46_jax.model.counting import flops_per_token
 from glm46_jax.run_config import from_config_dict

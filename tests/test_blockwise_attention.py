@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from glm46_jax.parallel import sharding
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import TINY, ModelConfig
 from glm46_jax.model import abstract_model, apply, init_model
 from glm46_jax.model.attention import _xla_attention, attention_mask

@@ -17,7 +17,7 @@ from data_prep import tokenizer as data_tokenizer
 from glm46_jax.interop import chat
 from glm46_jax.training import checkpoint
 from glm46_jax.interop import convert
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 
 CHAT = os.path.join(FIXTURES, "chat")
 HF_TOKENIZER = os.path.join(CHAT, "hf_tokenizer")

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from glm46_jax.cli import InputError, check_known_fields
+from glm46_jax.errors import InputError, check_known_fields
 from glm46_jax.config import (GLM45, GLM45_AIR, GLM46, PRESETS, TINY, ModelConfig, from_hf_config, get_preset,
                               model_config_from_dict, to_hf_config)
 from glm46_jax.model.counting import attention_params, dense_layer_params, moe_layer_params, param_counts
@@ -157,7 +157,7 @@ def test_an_unknown_field_names_the_section_the_nearest_and_the_valid_names():
 
 
 def test_unknown_model_fields_and_presets_are_input_errors():
-    """The one error type for a user's bad input (cli.InputError), with check_known_fields' message."""
+    """The one error type for a user's bad input (errors.InputError), with check_known_fields' message."""
     with pytest.raises(InputError, match=r"^config.model has no field 'hiden_size'; nearest: hidden_size, hidden_act"
                        r"; valid fields: attention_bias, .*, preset, .*, vocab_size$"):
         model_config_from_dict({"preset": "tiny", "hiden_size": 64})

@@ -12,7 +12,7 @@ import pytest
 
 from glm46_jax import run_config
 from glm46_jax.parallel import sharding
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import TINY
 from glm46_jax.data import loader
 from glm46_jax.training.loss import LossConfig, loss_fn

@@ -19,7 +19,7 @@ from conftest import FIXTURES, jitted_apply
 from glm46_jax.training import checkpoint
 from glm46_jax.interop import convert, hf
 from glm46_jax.parallel import sharding
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import from_hf_config, get_preset
 from glm46_jax.interop.hf import load_hf
 from glm46_jax.model import init_model

@@ -14,7 +14,7 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from glm46_jax.parallel import sharding
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.data import iterator_state, loader
 from glm46_jax.data.curriculum import BatchRamp, Curriculum, CurriculumIterator, Phase
 from glm46_jax.data.loader import LoaderConfig

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import float64_nll
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import TINY
 from glm46_jax.infer import eval as eval_cli
 from glm46_jax.interop.hf import save_hf

@@ -15,7 +15,7 @@ from conftest import FIXTURES, jitted_apply, randomize_params
 
 from glm46_jax.infer import generate as gen
 from glm46_jax.parallel import sharding
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import TINY
 from glm46_jax.interop.hf import load_hf
 from glm46_jax.model import abstract_model, apply, init_model

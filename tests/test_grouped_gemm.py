@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from test_experts import _routing, numpy_moe
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import TINY
 from glm46_jax.model import abstract_model, apply, grouped_gemm, init_model
 from glm46_jax.model.experts import dropless_experts, dropless_impl, dropless_stats

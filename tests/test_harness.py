@@ -23,7 +23,7 @@ from lm_eval.tasks import TaskManager
 from data_prep.tokenizer import train_bpe
 from glm46_jax.infer import harness
 from glm46_jax.parallel import sharding
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import TINY
 from glm46_jax.infer.generate import generate
 from glm46_jax.interop.hf import save_hf

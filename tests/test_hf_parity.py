@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from conftest import FIXTURES, jitted_apply
 from glm46_jax.parallel import sharding
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.interop.hf import load_hf, read_config, save_hf
 from glm46_jax.model import apply
 

@@ -18,7 +18,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from glm46_jax.parallel import sharding
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.interop.hf import load_hf
 from glm46_jax.model.lora import LoRAConfig, add_adapters, combine, merge_adapters, partition
 from glm46_jax.training.loss import token_nll

@@ -11,7 +11,7 @@ import pytest
 
 from glm46_jax.parallel import sharding
 from glm46_jax.training.balancing import BalanceConfig, rate_at
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import get_preset
 from glm46_jax.training.loss import (
     LossConfig,

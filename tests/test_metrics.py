@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from glm46_jax.training import metrics, sinks
+from glm46_jax.monitoring import metrics, sinks
 
 
 @dataclasses.dataclass

@@ -14,8 +14,9 @@ import urllib.request
 import jax
 import pytest
 
-from glm46_jax.cli import InputError
-from glm46_jax.training import exporter, faults, monitor, watchdog
+from glm46_jax.errors import InputError
+from glm46_jax.monitoring import exporter, monitor, watchdog
+from glm46_jax.monitoring import fault_injection
 
 
 def _blocked_here(event: threading.Event) -> None:
@@ -80,21 +81,21 @@ def test_the_watchdog_deadline_follows_the_median_step_time(tmp_path):
 
 
 def test_faults_from_the_environment():
-    f = faults.from_env({"GLM46_FAULTS": "hang_at_step=4, hang_process=1,slow_process=0,slow_s=0.25"})
+    f = fault_injection.from_env({"GLM46_FAULTS": "hang_at_step=4, hang_process=1,slow_process=0,slow_s=0.25"})
     assert (f.hang_at_step, f.hang_process, f.slow_process, f.slow_s) == (4, 1, 0, 0.25)
-    assert faults.from_env({}) == faults.Faults()
+    assert fault_injection.from_env({}) == fault_injection.Faults()
     with pytest.raises(InputError, match=r"GLM46_FAULTS=.*'hang=4' is not key=value with a key in hang_at_step"):
-        faults.from_env({"GLM46_FAULTS": "hang=4"})
+        fault_injection.from_env({"GLM46_FAULTS": "hang=4"})
     with pytest.raises(InputError, match="slow_s must be a float, not 'x'"):
-        faults.from_env({"GLM46_FAULTS": "slow_s=x"})
+        fault_injection.from_env({"GLM46_FAULTS": "slow_s=x"})
     start = time.monotonic()
-    faults.Faults(slow_process=1, slow_s=0.2).before_step(3, process=0)  # another process: no sleep
+    fault_injection.Faults(slow_process=1, slow_s=0.2).before_step(3, process=0)  # another process: no sleep
     assert time.monotonic() - start < 0.1
 
 
 def test_hang_once_hangs_the_first_run_only(tmp_path):
     marker = str(tmp_path / "hung_once")
-    f = faults.Faults(hang_at_step=2, hang_once=marker)
+    f = fault_injection.Faults(hang_at_step=2, hang_once=marker)
     f.before_step(1, 0)
     t = threading.Thread(target=f.before_step, args=(2, 0), daemon=True)  # blocks forever: a daemon thread
     t.start()

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from promserver import ALERT_NAMES, ALERTS, DASHBOARD, HISTOGRAMS, MONITORING, dashboard_queries, prometheus, require
 
-from glm46_jax.training.exporter import METRIC_NAMES
+from glm46_jax.monitoring.exporter import METRIC_NAMES
 
 PROMETHEUS_YML = os.path.join(MONITORING, "prometheus.yml")
 ALERTS_TEST = os.path.join(MONITORING, "alerts_test.yml")

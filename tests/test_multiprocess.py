@@ -20,7 +20,7 @@ import pytest
 from conftest import subprocess_env
 from glm46_jax.training import checkpoint
 from glm46_jax.parallel import distributed, sharding
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.run_config import DistributedConfig
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))

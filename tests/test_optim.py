@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from glm46_jax.parallel import sharding
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.training.muon import NS_COEFFS, newton_schulz
 from glm46_jax.training.optim import OptimConfig, build_optimizer, make_schedule, param_labels
 

@@ -16,7 +16,7 @@ import pytest
 from glm46_jax.training import checkpoint
 from glm46_jax import run_config
 from glm46_jax.parallel import sharding
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import get_preset
 from glm46_jax.training.loss import loss_fn
 from glm46_jax.model import GenerationCache, apply, init_model, pipeline

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from glm46_jax import plan as plan_lib
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import GLM45, TINY
 from glm46_jax.model.counting import flops_per_token, param_counts
 from glm46_jax.model import abstract_model

@@ -16,7 +16,7 @@ from conftest import FIXTURES
 from tokenizers import Tokenizer
 
 from data_prep import cli, rl_tasks, sample_preferences
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.data import iterator_state
 from glm46_jax.data import preference_loader as pl
 from glm46_jax.interop import chat

@@ -23,7 +23,7 @@ import pytest
 from conftest import ROOT, subprocess_env
 from promserver import ALERT_NAMES, ALERTS, HISTOGRAMS, dashboard_queries, free_port, prometheus, require
 
-from glm46_jax.training.exporter import METRIC_NAMES
+from glm46_jax.monitoring.exporter import METRIC_NAMES
 
 STEPS, EVERY = 40, 10
 WATCHDOG_FLOOR_S = 5  # the first compile takes longer: a watchdog not paused while compiling would fire

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.interop import convert
 from glm46_jax.interop import quantize as qz
 from tests.safetensors_file import read_safetensors

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from conftest import apply_flags, subprocess_env
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.parallel import sharding
 from glm46_jax.recipes.pretrain import build
 from glm46_jax.run_config import config_file, from_config_dict

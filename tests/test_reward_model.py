@@ -17,7 +17,7 @@ from conftest import FIXTURES, ROOT, subprocess_env
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.interop import convert
 from glm46_jax.interop.hf import load_hf
 from glm46_jax.interop.reward import load_reward_model

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import subprocess_env
 from glm46_jax import run_config
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import FIXTURES
 from glm46_jax.infer import score
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from test_hf_parity import without_mtp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -19,7 +19,7 @@ from conftest import float64_nll, subprocess_env
 from glm46_jax.training import checkpoint
 from glm46_jax import cli
 from glm46_jax.parallel import sharding
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import TINY
 from glm46_jax.data import sft_loader
 from glm46_jax.model import init_model

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 from data_prep import cli, sample_chats, sft
 from data_prep.tokenizer import load as load_tokenizer
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.data import iterator_state, loader, sft_loader
 
 CHAT = os.path.join(FIXTURES, "chat")

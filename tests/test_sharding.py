@@ -14,7 +14,7 @@ from flax import nnx
 
 from conftest import FIXTURES
 from glm46_jax.parallel import sharding
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import TINY
 from glm46_jax.interop.hf import load_hf, read_config
 from glm46_jax.model import abstract_model, apply, init_model

@@ -14,7 +14,7 @@ import pytest
 from glm46_jax.infer import generate as gen
 from glm46_jax.parallel import sharding
 from glm46_jax.infer import speculative as spec
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import TINY
 from glm46_jax.training.loss import token_nll
 from glm46_jax.model import abstract_model, apply, init_model

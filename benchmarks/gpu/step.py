@@ -49,8 +49,8 @@ import report
 
 from glm46_jax import run_config
 from glm46_jax.bench import PreparedStep, git_commit
-from glm46_jax.cli import InputError
-from glm46_jax.training import metrics
+from glm46_jax.errors import InputError
+from glm46_jax.monitoring import metrics
 
 CONFIG_FILE = os.path.join(ROOT, "configs", "pretrain.py")
 DATASHEET_BF16 = 989.4e12  # H100/H200 SXM dense bf16 (metrics.PEAK_FLOPS_PER_DEVICE)

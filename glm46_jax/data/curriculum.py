@@ -30,7 +30,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.data import iterator_state, loader
 from glm46_jax.data.loader import Batch, LoaderConfig, PackMode
 

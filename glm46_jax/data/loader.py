@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jaxtyping import Array, Int
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.parallel import sharding
 
 PackMode = Literal["concat", "best_fit"]

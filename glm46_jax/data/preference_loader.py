@@ -34,7 +34,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.data import loader
 
 Batch = dict[str, np.ndarray]

@@ -27,7 +27,7 @@ import grain
 import numpy as np
 from jaxtyping import Int
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.data import loader
 
 SFTPackMode = Literal["best_fit", "first_fit"]

@@ -40,7 +40,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from glm46_jax import cli
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.data import loader
 from glm46_jax.infer.load import add_model_args, load_model
 from glm46_jax.model import apply

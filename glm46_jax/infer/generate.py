@@ -30,7 +30,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from glm46_jax import cli
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.interop import chat
 from glm46_jax.infer.load import Tokenizer, add_model_args, load_model
 

@@ -37,7 +37,7 @@ except ImportError as err:  # an optional extra: say which one
     raise ImportError(f"glm46_jax.infer.harness needs lm-eval ({err}); install it with: pip install -e '.[eval]'"
                       ) from err
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.infer.generate import generate
 from glm46_jax.infer.load import Tokenizer, load_model
 from glm46_jax.model import abstract_model, apply

@@ -10,7 +10,7 @@ import os
 
 import jax
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 from flax import struct
 from jaxtyping import Array, Float, Int
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.parallel import sharding
 
 

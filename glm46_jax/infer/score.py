@@ -19,7 +19,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from glm46_jax import cli
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.infer.load import Tokenizer, add_model_args, load_model
 from glm46_jax.model import apply
 from glm46_jax.parallel import sharding

@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx, struct
 from jaxtyping import Array, Float, Int
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.infer.sampling import Generation, as_rows, check_request, filter_logits, pad_batch, replicated, sample
 from glm46_jax.model import GenerationCache, apply
 

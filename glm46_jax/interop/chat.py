@@ -35,7 +35,7 @@ import numpy as np
 from jaxtyping import Bool, Int
 from tokenizers import Tokenizer
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 
 GMASK, SOP = "[gMASK]", "<sop>"
 SYSTEM, USER, ASSISTANT, OBSERVATION = "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"

@@ -35,7 +35,7 @@ import jax
 from flax import nnx
 
 from glm46_jax import cli
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import ModelConfig, model_config_from_dict
 from glm46_jax.interop import chat, hf, reward
 from glm46_jax.model import ExpertBias, abstract_model

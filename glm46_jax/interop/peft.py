@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from glm46_jax import atomic
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import ModelConfig
 from glm46_jax.model.lora import ATTENTION, LoRAConfig, add_adapters
 

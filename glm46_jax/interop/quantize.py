@@ -37,7 +37,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 
 SCHEMES = ("fp8_dynamic", "fp8_block", "w4a16")
 BLOCK = 128  # fp8_block's weight block, both sides

@@ -26,7 +26,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from glm46_jax import atomic
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import ModelConfig
 from glm46_jax.parallel import sharding
 

@@ -12,7 +12,7 @@ from flax import nnx, struct
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention_api
 from jaxtyping import Array, Bool, Float, Int
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import ModelConfig
 from glm46_jax.model.adapters import adapted
 from glm46_jax.model.blockwise_attention import blockwise_attention

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from glm46_jax.cli import InputError, check_choice, check_field, check_known_fields, check_range
+from glm46_jax.errors import InputError, check_choice, check_field, check_known_fields, check_range
 from glm46_jax.model.adapters import Adapter, LoRA
 from glm46_jax.model.attention import Attention
 from glm46_jax.model.layers import MLP, ExpertBias, Head

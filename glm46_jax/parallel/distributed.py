@@ -31,7 +31,7 @@ from collections.abc import Mapping
 import jax
 from absl import logging
 
-from glm46_jax.cli import InputError, check_at_least, check_choice, check_field
+from glm46_jax.errors import InputError, check_at_least, check_choice, check_field
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 
 # `context` is last: the fastest-varying axis, so a sequence's shards sit on neighbouring devices
 # (docs/long_context.md#the-context-axis).

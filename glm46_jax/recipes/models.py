@@ -27,7 +27,7 @@ import optax
 from absl import logging
 from flax import nnx
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import ModelConfig
 from glm46_jax.model import abstract_model, init_model, lora
 from glm46_jax.model.layers import normal_init

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from glm46_jax.cli import check_range
+from glm46_jax.errors import check_range
 from glm46_jax.model.paths import path_names
 
 

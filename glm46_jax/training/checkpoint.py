@@ -38,7 +38,7 @@ from absl import flags, logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import RUNTIME_FIELDS, ModelConfig, model_config_from_dict
 from glm46_jax.model import abstract_model, pipeline
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from glm46_jax.cli import check_range
+from glm46_jax.errors import check_range
 from glm46_jax.config import ModelConfig
 from glm46_jax.data.loader import mtp_labels
 from glm46_jax.model import apply

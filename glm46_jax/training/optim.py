@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from glm46_jax.cli import check_choice, check_field, check_range
+from glm46_jax.errors import check_choice, check_field, check_range
 from glm46_jax.model.paths import LAYER_STACKS, path_names
 from glm46_jax.training.muon import NS_DTYPES, scale_by_consistent_rms, scale_by_muon
 

@@ -39,9 +39,10 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from glm46_jax.cli import check_at_least, check_choice
+from glm46_jax.errors import check_at_least, check_choice
 from glm46_jax.parallel import distributed, sharding
-from glm46_jax.training import checkpoint, metrics, monitor
+from glm46_jax.monitoring import metrics, monitor
+from glm46_jax.training import checkpoint
 
 _END_WINDOW = 10  # "end loss" = mean over this many final steps: one noisy batch says little
 

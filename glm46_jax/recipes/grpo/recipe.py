@@ -36,7 +36,7 @@ from flax import nnx
 from tokenizers import Tokenizer
 
 from glm46_jax import atomic
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.interop import chat
 from glm46_jax.parallel import sharding
 from glm46_jax.recipes.base import RecipeBase, warn_random_start

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.interop.reward import load_reward_model
 from glm46_jax.model import apply
 from glm46_jax.parallel import sharding

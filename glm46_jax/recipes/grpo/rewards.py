@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.recipes.grpo import sandbox
 
 RewardFn = Callable[[str, Mapping[str, Any]], float]

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 from glm46_jax.config import RUNTIME_FIELDS, model_config_from_dict
 from glm46_jax.parallel import sharding
 from glm46_jax.recipes import models

@@ -18,7 +18,7 @@ import os
 import threading
 import time
 
-from glm46_jax.cli import InputError
+from glm46_jax.errors import InputError
 
 ENV = "GLM46_FAULTS"
 

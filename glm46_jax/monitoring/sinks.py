@@ -6,7 +6,7 @@ writer turns the values into Python floats and hands the same record to every si
   * `JsonlSink`: run_dir/metrics.jsonl, one JSON line per record (non-finite values are null);
   * `TensorBoardSink`: run_dir/tensorboard/ event files (tensorboardX);
   * `WandbSink`: a Weights & Biases run (offline by default: run_dir/wandb/, `wandb sync` uploads it);
-  * `exporter.PrometheusSink`: the process's /metrics endpoint (glm46_jax/training/exporter.py).
+  * `exporter.PrometheusSink`: the process's /metrics endpoint (glm46_jax/monitoring/exporter.py).
 Every sink flushes on write, so a run can be watched while it goes.
 """
 

@@ -7,7 +7,7 @@ window. The trainer owns the loop; this module owns what it reports (docs/monito
   * `memory_scalars`: bytes in use / peak / limit per local device (the host's RSS on CPU).
   * `Stragglers`: every `straggler_every` steps one small all-gather of each process's host seconds per step.
   * `ProfileWindow`: a `jax.profiler` trace of `train.profile_steps`, one annotation per step.
-  * `Watch`: all of the above plus the hang watchdog (glm46_jax/training/watchdog.py) and injected faults, as
+  * `Watch`: all of the above plus the hang watchdog (glm46_jax/monitoring/watchdog.py) and injected faults, as
     the trainer's loop calls them.
 """
 
@@ -25,11 +25,11 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from glm46_jax.cli import InputError, check_at_least, check_choice, check_field
-from glm46_jax.training import faults as faults_lib
-from glm46_jax.training import metrics
-from glm46_jax.training import sinks as sinks_lib
-from glm46_jax.training import watchdog as watchdog_lib
+from glm46_jax.errors import InputError, check_at_least, check_choice, check_field
+from glm46_jax.monitoring import fault_injection
+from glm46_jax.monitoring import metrics
+from glm46_jax.monitoring import sinks as sinks_lib
+from glm46_jax.monitoring import watchdog as watchdog_lib
 
 SINKS = ("jsonl", "tensorboard", "prometheus", "wandb")
 STRAGGLER_WARN_RATIO = 1.5  # a process this much slower than the median gets a warning, not an info line
@@ -77,7 +77,7 @@ def open_writer(cfg: MonitorConfig, run_dir: str, *, append: bool, steps_done: i
         out.append(sinks_lib.WandbSink(run_dir, project=cfg.wandb_project, name=run, mode=cfg.wandb_mode,
                                        config=_run_config(run_dir)))
     if "prometheus" in names:
-        from glm46_jax.training import exporter  # prometheus_client: only a run that exports imports it
+        from glm46_jax.monitoring import exporter  # prometheus_client: only a run that exports imports it
 
         port = cfg.prometheus_port + process if cfg.prometheus_port else 0
         try:
@@ -206,7 +206,7 @@ class Watch:
 
     def __init__(self, cfg: MonitorConfig, run_dir: str, *, profile_steps: str, profile_all: bool, total_steps: int):
         self.process = jax.process_index()
-        self.faults = faults_lib.from_env()
+        self.faults = fault_injection.from_env()
         self.watchdog = watchdog_lib.Watchdog(
             run_dir, factor=cfg.watchdog_factor, floor_s=cfg.watchdog_floor_s, exit=cfg.watchdog_exit,
             process=self.process, total_steps=total_steps) if cfg.watchdog_factor else None

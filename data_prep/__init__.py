@@ -4,6 +4,14 @@ Stages (one module each, data flowing left to right):
 
     inputs -> clean -> quality -> dedup (minhash) -> tokenizer -> shards,   chained by `pipeline`
 
+    documents, slices, steps   what the readers yield, which bytes each task reads, the first stage's blocks
+    executors, work, peak      running the stages (local, Slurm, Ray), the run's work folder, peak memory per task
+    report                     statistics and the run summary
+    sft, preferences           chat (SFT) and preference-pair data: JSONL -> token ids with loss masks
+    rl_tasks                   the RL demo's verifiable task, generated offline
+    sample, sample_chats, sample_preferences   the embedded sample corpus, chats and preference pairs
+    cli                        `python -m data_prep COMMAND`
+
 `python -m data_prep --help` lists the commands; README.md documents the output contract that
 the training loader reads. Nothing here imports jax.
 """

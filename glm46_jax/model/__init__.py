@@ -5,6 +5,19 @@
 
 `params` (nnx.Param leaves) is what gradients and the optimizer see; `buffers` holds the
 `e_score_correction_bias` of every MoE layer, changed only by the loss-free balancing rule.
+
+    transformer           decoder layers, the scanned layer stacks, the MTP layer and the causal LM (GLMMoE)
+    layers                RMSNorm, the SwiGLU MLP, partial rotary embeddings, initialisers
+    attention             GQA self-attention (QK-norm, partial RoPE) and its backends
+    blockwise_attention   causal attention in blocks with an online softmax (long context, context parallel)
+    moe                   the MoE block: sigmoid router with correction bias, routed and shared experts
+    experts               the routed experts' grouped SwiGLU matmul every dispatch ends in
+    grouped_gemm          dropless routed experts as grouped GEMMs
+    pipeline              pipeline parallelism over the MoE layer stack (GPipe, circular)
+    lora, adapters        LoRA / DoRA: which weights get adapters, the adapter module, merging back
+    paths                 plain names for the parameter tree's key paths
+    counting              parameter and FLOP counts from the config alone
+    activations           activation memory per device, for the memory plan
 """
 
 from __future__ import annotations

@@ -1,2 +1,13 @@
-"""The generic training driver every recipe plugs into: the loop, the named models, the one update step, losses,
-optimizers, loss-free balancing and checkpoints (what a run reports: `glm46_jax.monitoring`)."""
+"""The generic training driver every recipe plugs into:
+
+    trainer      the loop every recipe runs (evaluation, bad steps, metrics, checkpoints, preemption)
+    step         the train state of the named models and the one jitted update step
+    compiled     compile once, barrier, cache: the train and eval steps, per segment and batch shape
+    loss         cross-entropy, MTP, the sequence-balance aux loss, z-loss
+    optim        clip -> Muon for hidden matrices, AdamW for the rest, under an lr schedule
+    muon         Muon's update (Newton-Schulz orthogonalisation)
+    balancing    loss-free load balancing and load statistics
+    checkpoint   Orbax checkpoints: save, resume, start from another run's weights
+
+What a run reports is `glm46_jax.monitoring`; what it trains, `glm46_jax.recipes`.
+"""

@@ -261,6 +261,8 @@ def resolve_config(parts: list[str]) -> str | None:
         current = [c for n in names for c in classes().get(n, [])]
         if not current:  # a section typed loosely (`rl: Any`): the dataclass named after it (RLConfig)
             current = [c for n, syms in classes().items() if n.lower() == f"{part}config" for c in syms]
+            if not current and i == 0 and parts[1:] and "Any" in names:
+                return f"config section `{part}` is typed Any and no class {part}Config (any case) describes it"
         path += f".{part}"
     return None
 
@@ -438,3 +440,7 @@ def test_the_checker_finds_stale_names():
     assert "has no `nope`" in check_name("ModelConfig.nope")
     assert resolve_config(["train", "nope"]) is not None
     assert check_path("glm46_jax/model/nope.py") is not None and check_path("glm46_jax/model/moe.py") is None
+    assert check_name("rl.recipe.GRPO") is not None  # the examples
+    if former_modules():  # with git history
+        assert "was glm46_jax/train_step.py" in check_name("train_step.make_step")
+        assert "was glm46_jax/recipe_base.py" in check_name("recipe_base.RecipeBase")

@@ -7,8 +7,8 @@ forwards + advantages, the policy update, the critic update (PPO), and tokens/s 
     PYTHONPATH=. python benchmarks/rl.py --init-from runs/sft_rl_addition --data data/rl_addition --rollouts 8
     PYTHONPATH=. python benchmarks/rl.py --preset small --group-size 16 --max-new-tokens 256 --out results.json
 
-Builds each recipe from its config (GRPO: `glm46_jax.recipes.grpo.recipe`, configs/grpo.py:tiny; PPO:
-`glm46_jax.recipes.ppo.recipe`, configs/ppo.py:addition, the verifiable-reward preset, which needs no reward
+Builds each recipe from its config (GRPO: `glm46_jax.recipes.rl.grpo.recipe`, configs/grpo.py:tiny; PPO:
+`glm46_jax.recipes.rl.ppo.recipe`, configs/ppo.py:addition, the verifiable-reward preset, which needs no reward
 model) with the same overrides (model, rollout shape, rewards, curriculum, KL coefficient), so both sample, score
 and train the same rows. Everything is compiled first (one warm-up rollout and one update per minibatch, of each
 timed program), then `--rollouts` RL steps are timed; an RL step is one rollout (`prompts_per_step` x `group_size`
@@ -55,12 +55,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from data_prep import rl_tasks
 from glm46_jax import run_config
 from glm46_jax.parallel import sharding
-from glm46_jax.recipes.grpo import objective as grpo_objective
-from glm46_jax.recipes.grpo import recipe as grpo_recipe
-from glm46_jax.recipes.grpo.step import completion_logprobs, like
-from glm46_jax.recipes.ppo import objective as ppo_objective
-from glm46_jax.recipes.ppo import recipe as ppo_recipe
-from glm46_jax.recipes.ppo.step import critic_values
+from glm46_jax.recipes.rl.grpo import objective as grpo_objective
+from glm46_jax.recipes.rl.grpo import recipe as grpo_recipe
+from glm46_jax.recipes.rl.grpo.step import completion_logprobs, like
+from glm46_jax.recipes.rl.ppo import objective as ppo_objective
+from glm46_jax.recipes.rl.ppo import recipe as ppo_recipe
+from glm46_jax.recipes.rl.ppo.step import critic_values
 from glm46_jax.run_config import config_file
 from glm46_jax.training.step import ModelState, TrainState, make_step
 

@@ -210,9 +210,9 @@ def _check_preference(cfg: RunConfig) -> None:
 RECIPES: dict[str, RecipeEntry] = {
     "pretrain": RecipeEntry("glm46_jax.recipes.pretrain:build", lambda c: total_steps(c.data, c.train)),
     "sft": RecipeEntry("glm46_jax.recipes.sft:build", lambda c: sft_steps(c.sft, c.train.steps), "sft", _check_sft),
-    "grpo": RecipeEntry("glm46_jax.recipes.grpo.recipe:build", lambda c: rl_steps(c.rl, c.train.steps), "rl",
+    "grpo": RecipeEntry("glm46_jax.recipes.rl.grpo.recipe:build", lambda c: rl_steps(c.rl, c.train.steps), "rl",
                         _check_grpo),
-    "ppo": RecipeEntry("glm46_jax.recipes.ppo.recipe:build", lambda c: rl_steps(c.rl, c.train.steps), "rl",
+    "ppo": RecipeEntry("glm46_jax.recipes.rl.ppo.recipe:build", lambda c: rl_steps(c.rl, c.train.steps), "rl",
                        _check_ppo),
     "reward": RecipeEntry("glm46_jax.recipes.preference.recipe:build_reward",
                           lambda c: preference_steps(c.preference, c.train.steps), "preference", _check_preference),

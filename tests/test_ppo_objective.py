@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm46_jax.recipes.grpo.objective import kl_k3
-from glm46_jax.recipes.ppo import objective
+from glm46_jax.recipes.rl.grpo.objective import kl_k3
+from glm46_jax.recipes.rl.ppo import objective
 
 T = 10
 # (start, length) of each row's completion run: a prompt of start + 1 tokens, then length completion tokens, padding

@@ -15,9 +15,10 @@ from conftest import randomize_params
 from glm46_jax.parallel import sharding
 from glm46_jax.config import TINY
 from glm46_jax.model import apply, init_model
-from glm46_jax.recipes.grpo import objective, rewards, sandbox
-from glm46_jax.recipes.grpo.rollout import Sampling, sample_groups, training_rows
-from glm46_jax.recipes.grpo.step import StepSettings, completion_logprobs, grpo_loss
+from glm46_jax.recipes.rl import rewards, sandbox
+from glm46_jax.recipes.rl.grpo import objective
+from glm46_jax.recipes.rl.rollout import Sampling, sample_groups, training_rows
+from glm46_jax.recipes.rl.grpo.step import StepSettings, completion_logprobs, grpo_loss
 from glm46_jax.infer.score import token_logprobs
 
 CFG = dataclasses.replace(TINY, vocab_size=128, dtype="float32")

@@ -22,7 +22,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from glm46_jax.model import apply
-from glm46_jax.recipes.grpo import objective
+from glm46_jax.recipes.rl.grpo import objective
 from glm46_jax.training.loss import nll_and_lse
 from glm46_jax.training.step import make_step
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from glm46_jax.errors import InputError
-from glm46_jax.recipes.grpo import sandbox
+from glm46_jax.recipes.rl import sandbox
 
 RewardFn = Callable[[str, Mapping[str, Any]], float]
 
@@ -76,7 +76,7 @@ BUILTIN: dict[str, RewardFn] = {"exact_answer": exact_answer, "think_answer_form
                                 "code_tests": code_tests}
 
 
-# Scored from token ids by a reward model on the mesh (rl.reward_model; glm46_jax.recipes.grpo.reward_model), not by
+# Scored from token ids by a reward model on the mesh (rl.reward_model; glm46_jax.recipes.rl.reward_model), not by
 # a function of the completion's text: `Rewards.score` takes its values as `model_scores`.
 MODEL_REWARD = "reward_model"
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from glm46_jax.recipes.grpo.objective import kl_k3
+from glm46_jax.recipes.rl.grpo.objective import kl_k3
 
 KL_KINDS = ("k1", "k3", "abs", "mse")
 

@@ -40,14 +40,15 @@ from glm46_jax.errors import InputError
 from glm46_jax.interop import chat
 from glm46_jax.parallel import sharding
 from glm46_jax.recipes.base import RecipeBase, warn_random_start
-from glm46_jax.recipes.grpo import objective
-from glm46_jax.recipes.grpo.curriculum import CurriculumConfig, PromptPool
+from glm46_jax.recipes.rl.grpo import objective
+from glm46_jax.recipes.rl.curriculum import CurriculumConfig, PromptPool
 from glm46_jax.interop.reward import check_reward_dir
-from glm46_jax.recipes.grpo.reward_model import ModelScorer, check_same_tokenizer
-from glm46_jax.recipes.grpo.rewards import Rewards
-from glm46_jax.recipes.grpo.rollout import Rollout, Sampling, sample_groups, strip_stop, training_rows
-from glm46_jax.recipes.grpo.step import StepSettings, completion_logprobs, make_grpo_step
-from glm46_jax.run_config import RLConfig, RunConfig
+from glm46_jax.recipes.rl.reward_model import ModelScorer, check_same_tokenizer
+from glm46_jax.recipes.rl.rewards import Rewards
+from glm46_jax.recipes.rl.rollout import Rollout, Sampling, sample_groups, strip_stop, training_rows
+from glm46_jax.recipes.rl.grpo.step import StepSettings, completion_logprobs, make_grpo_step
+from glm46_jax.recipe_config import RLConfig
+from glm46_jax.run_config import RunConfig
 from glm46_jax.recipes import models
 from glm46_jax.training import checkpoint
 from glm46_jax.training.step import TrainState, with_frozen

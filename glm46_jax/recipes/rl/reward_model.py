@@ -23,7 +23,7 @@ from glm46_jax.errors import InputError
 from glm46_jax.interop.reward import load_reward_model
 from glm46_jax.model import apply
 from glm46_jax.parallel import sharding
-from glm46_jax.recipes.grpo.rollout import Rollout
+from glm46_jax.recipes.rl.rollout import Rollout
 
 
 def reward_model_tokenizer(path: str) -> str | None:

@@ -23,9 +23,9 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from glm46_jax.model import apply
-from glm46_jax.recipes.grpo import objective as grpo_objective
-from glm46_jax.recipes.grpo.step import completion_logprobs, like
-from glm46_jax.recipes.ppo import objective
+from glm46_jax.recipes.rl.grpo import objective as grpo_objective
+from glm46_jax.recipes.rl.grpo.step import completion_logprobs, like
+from glm46_jax.recipes.rl.ppo import objective
 from glm46_jax.training.step import make_step
 
 

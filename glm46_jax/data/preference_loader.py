@@ -11,7 +11,8 @@ sequence 2i being pair i's chosen reply and 2i + 1 its rejected one (docs/prefer
 Pipeline: pairs (memory-mapped; one pair = one element whose tokens are chosen ++ rejected) -> shuffle(seed) ->
 repeat(num_epochs) -> [p::n] -> iter -> Grain's best-fit packing into rows of exactly seq_len tokens, at most
 pairs_per_row pairs a row (a pair never spans rows, its two sequences are always in the same row) -> the row's
-fields -> batch.
+fields -> batch. The config, source, split and batching are the SFT loader's too (glm46_jax.data.packed_source);
+here: the pair, its packing and its row.
 
 The batch, per row (all int32 except margin):
   inputs, targets, positions, segment_ids, loss_mask  [rows, seq_len]  slot k's chosen is segment 2k + 1, its
@@ -27,15 +28,14 @@ The batch, per row (all int32 except margin):
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import grain
 import numpy as np
 
+from glm46_jax.data import loader, packed_source
 from glm46_jax.errors import InputError
-from glm46_jax.data import loader
 
 Batch = dict[str, np.ndarray]
 SEQUENCE_FIELDS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")  # int32 [rows, seq_len]
@@ -44,77 +44,33 @@ CHOSEN, REJECTED = 1, 2  # the packed "side" feature; 0 = padding
 
 
 @dataclasses.dataclass(frozen=True)
-class PreferenceLoaderConfig:
-    root: str
-    split: str = "train"
-    seed: int = 0
-    shuffle: bool = True  # a new order every epoch (Grain's shuffle reseeds per epoch of the repeat)
-    num_epochs: int | None = None  # None = repeat forever (training); 1 = one pass (evaluation)
+class PreferenceLoaderConfig(packed_source.SourceConfig):
     pairs_per_row: int = 4  # most pairs packed into one row (the width of the per-pair fields)
-    pack_bins: int = 64  # rows packed at once: more bins, less padding, more memory
-    process_index: int | None = None  # None = jax.process_index()
-    process_count: int | None = None  # None = jax.process_count()
 
     def __post_init__(self):
-        if self.split not in loader.SPLITS:
-            raise InputError(f"PreferenceLoaderConfig.split={self.split!r}: must be one of {loader.SPLITS}")
-        if self.pairs_per_row < 1 or self.pack_bins < 1 or (self.num_epochs is not None and self.num_epochs < 1):
-            raise InputError("PreferenceLoaderConfig: pairs_per_row, pack_bins and num_epochs must be >= 1")
-
-    @property
-    def processes(self) -> tuple[int, int]:
-        """(index, count) of this process among the data-loading processes."""
-        return loader.process_slot(self.process_index, self.process_count, "PreferenceLoaderConfig")
+        super().__post_init__()
+        if self.pairs_per_row < 1:
+            raise InputError("PreferenceLoaderConfig: pairs_per_row must be >= 1")
 
 
 def read_preference_metadata(root: str) -> dict[str, Any]:
     return loader.read_dataset_metadata(root, "preferences", "a preference dataset")
 
 
-class PairSource(grain.sources.RandomAccessDataSource):
+class PairSource(packed_source.RecordSource):
     """The pairs of one split, each {"tokens", "assistant_mask", "side"}: int32 [len(chosen) + len(rejected)], side
-    1 on the chosen tokens and 2 on the rejected ones, and "margin": a float32 scalar. Arrays are memory-mapped on
-    first use, so the source pickles small."""
+    1 on the chosen tokens and 2 on the rejected ones, and "margin": a float32 scalar."""
+    arrays = ("tokens", "assistant_mask", "offsets", "margin")
+    noun = "pairs"
 
-    def __init__(self, root: str, split: str):
-        self.root, self.split = root, split
-        self._arrays: dict[str, np.ndarray] | None = None
-        self._len = len(np.load(os.path.join(root, split, "margin.npy"), mmap_mode="r"))
+    def count(self) -> int:
+        return len(self.open("margin"))
 
-    def _load(self) -> dict[str, np.ndarray]:
-        if self._arrays is None:
-            self._arrays = {name: np.load(os.path.join(self.root, self.split, f"{name}.npy"), mmap_mode="r")
-                            for name in ("tokens", "assistant_mask", "offsets", "margin")}
-        return self._arrays
-
-    def __getstate__(self):
-        return {**self.__dict__, "_arrays": None}
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        a = self._load()
+    def record(self, a: dict[str, np.ndarray], index: int) -> dict[str, Any]:
         lo, mid, hi = (int(x) for x in a["offsets"][2 * index:2 * index + 3])
         side = np.full(hi - lo, REJECTED, np.int32)
         side[:mid - lo] = CHOSEN
-        return {"tokens": np.asarray(a["tokens"][lo:hi], np.int32),
-                "assistant_mask": np.asarray(a["assistant_mask"][lo:hi], np.int32), "side": side,
-                "margin": np.float32(a["margin"][index])}
-
-
-def split_pairs(cfg: PreferenceLoaderConfig) -> grain.IterDataset:
-    """This process's pairs of the split, shuffled per epoch, repeated `num_epochs` times (None: forever)."""
-    source = PairSource(cfg.root, cfg.split)
-    if not len(source):
-        raise InputError(f"{cfg.root}: the {cfg.split} split has no pairs (see metadata.json's splits)")
-    ds = grain.MapDataset.source(source)
-    if cfg.shuffle:
-        ds = ds.shuffle(seed=cfg.seed)
-    ds = ds.repeat(cfg.num_epochs)
-    index, count = cfg.processes
-    # Shuffle before slicing: one global order per epoch, so the processes' pairs are disjoint.
-    return ds[index::count].to_iter_dataset()
+        return {**self.tokens(a, lo, hi), "side": side, "margin": np.float32(a["margin"][index])}
 
 
 def pack_pairs(pairs: grain.IterDataset, seq_len: int, pairs_per_row: int, pad_id: int, pack_bins: int = 64,
@@ -167,16 +123,6 @@ class _Row(grain.transforms.Map):
         return preference_row(row, self.pad_id, self.pairs_per_row)
 
 
-@dataclasses.dataclass(frozen=True)
-class _PadBatch(grain.transforms.Map):
-    """The short last batch of a finite pass, filled with empty rows (pad tokens, segment 0, no loss, no pairs)."""
-    rows: int
-    pad_id: int
-
-    def map(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return loader.pad_rows(batch, self.rows, self.pad_id)
-
-
 def preference_batches(cfg: PreferenceLoaderConfig, seq_len: int, global_batch: int) -> grain.IterDataset:
     """This process's share (global_batch / process_count rows) of each batch (docs/preferences.md#the-batch).
 
@@ -191,10 +137,10 @@ def preference_batches(cfg: PreferenceLoaderConfig, seq_len: int, global_batch: 
         raise InputError(f"{cfg.root}: the longest {cfg.split} pair is {longest} tokens (chosen + rejected, which "
                          f"share a row) > seq_len={seq_len}: set seq_len >= {longest}, or re-run "
                          f"`python -m data_prep preferences` with --max-len {seq_len} to skip the longer pairs")
-    rows = loader.local_rows(global_batch, cfg.processes[1])
     pad_id = int(meta["tokenizer"]["pad_id"])
-    packed = pack_pairs(split_pairs(cfg), seq_len, cfg.pairs_per_row, pad_id, cfg.pack_bins, cfg.seed)
-    return packed.map(_Row(pad_id, cfg.pairs_per_row)).batch(rows, drop_remainder=False).map(_PadBatch(rows, pad_id))
+    pairs = packed_source.split_records(PairSource(cfg.root, cfg.split), cfg)
+    packed = pack_pairs(pairs, seq_len, cfg.pairs_per_row, pad_id, cfg.pack_bins, cfg.seed)
+    return packed_source.padded_batches(packed.map(_Row(pad_id, cfg.pairs_per_row)), cfg, global_batch, pad_id)
 
 
 def split_pair_count(root: str, split: str) -> int:

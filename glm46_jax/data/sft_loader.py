@@ -9,7 +9,9 @@ being tokens[offsets[i]:offsets[i + 1]] with its assistant mask (docs/sft.md#the
     state = iterator_state.to_json(it)            # into the checkpoint; iterator_state.restore(it, state) resumes
 
 Pipeline: samples (memory-mapped) -> shuffle(seed) -> repeat(num_epochs) -> [p::n] -> iter -> best-/first-fit
-packing into rows of seq_len + 1 tokens, the assistant mask packed beside the tokens -> shift -> batch.
+packing into rows of seq_len + 1 tokens, the assistant mask packed beside the tokens -> shift -> batch. The config,
+source, split and batching are the preference loader's too (glm46_jax.data.packed_source); here: the sample, its
+packing and its row.
 
 The batch is the pretraining loader's dict (glm46_jax/data/loader.py), all int32 [rows, seq_len], except that
 loss_mask is the assistant mask shifted onto the targets: targets[j] = tokens[j + 1] is trained iff tokens[j + 1]
@@ -19,7 +21,6 @@ is assistant output and tokens[j], tokens[j + 1] are in the same sample (docs/sf
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -27,8 +28,8 @@ import grain
 import numpy as np
 from jaxtyping import Int
 
+from glm46_jax.data import loader, packed_source
 from glm46_jax.errors import InputError
-from glm46_jax.data import loader
 
 SFTPackMode = Literal["best_fit", "first_fit"]
 SFT_PACK_MODES: tuple[str, ...] = ("best_fit", "first_fit")
@@ -36,79 +37,31 @@ Batch = loader.Batch  # inputs, targets, segment_ids, positions, loss_mask: int3
 
 
 @dataclasses.dataclass(frozen=True)
-class SFTLoaderConfig:
-    root: str
-    split: str = "train"
-    seed: int = 0
-    shuffle: bool = True  # a new order every epoch (Grain's shuffle reseeds per epoch of the repeat)
-    num_epochs: int | None = None  # None = repeat forever (training); 1 = one pass (evaluation)
+class SFTLoaderConfig(packed_source.SourceConfig):
     pack: SFTPackMode = "best_fit"
-    pack_bins: int = 64  # rows packed at once: more bins, less padding, more memory
     num_workers: int = 0  # mp_prefetch worker processes; 0 = read in this process
-    process_index: int | None = None  # None = jax.process_index()
-    process_count: int | None = None  # None = jax.process_count()
 
     def __post_init__(self):
-        if self.split not in loader.SPLITS:
-            raise InputError(f"SFTLoaderConfig.split={self.split!r}: must be one of {loader.SPLITS}")
+        super().__post_init__()
         if self.pack not in SFT_PACK_MODES:
             raise InputError(f"SFTLoaderConfig.pack={self.pack!r}: must be one of {SFT_PACK_MODES}")
-        if self.pack_bins < 1 or self.num_workers < 0 or (self.num_epochs is not None and self.num_epochs < 1):
-            raise InputError("SFTLoaderConfig: pack_bins and num_epochs must be >= 1, num_workers >= 0")
-
-    @property
-    def processes(self) -> tuple[int, int]:
-        """(index, count) of this process among the data-loading processes."""
-        return loader.process_slot(self.process_index, self.process_count, "SFTLoaderConfig")
+        if self.num_workers < 0:
+            raise InputError("SFTLoaderConfig: num_workers must be >= 0")
 
 
 def read_sft_metadata(root: str) -> dict[str, Any]:
     return loader.read_dataset_metadata(root, "sft", "an SFT dataset")
 
 
-class SampleSource(grain.sources.RandomAccessDataSource):
-    """The samples of one split as {"tokens", "assistant_mask"} int32 [n]; arrays memory-mapped on first use,
-    so the source pickles small (mp_prefetch workers map the files themselves)."""
+class SampleSource(packed_source.RecordSource):
+    """The samples of one split as {"tokens", "assistant_mask"} int32 [n], sample i being offsets[i]:offsets[i + 1]."""
+    noun = "samples"
 
-    def __init__(self, root: str, split: str):
-        self.root, self.split = root, split
-        self._arrays: dict[str, np.ndarray] | None = None
-        self._len = len(self._offsets()) - 1
+    def count(self) -> int:
+        return len(self.open("offsets")) - 1
 
-    def _offsets(self) -> np.ndarray:
-        return np.load(os.path.join(self.root, self.split, "offsets.npy"), mmap_mode="r")
-
-    def _load(self) -> dict[str, np.ndarray]:
-        if self._arrays is None:
-            self._arrays = {name: np.load(os.path.join(self.root, self.split, f"{name}.npy"), mmap_mode="r")
-                            for name in ("tokens", "assistant_mask", "offsets")}
-        return self._arrays
-
-    def __getstate__(self):
-        return {**self.__dict__, "_arrays": None}
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        a = self._load()
-        lo, hi = int(a["offsets"][index]), int(a["offsets"][index + 1])
-        return {"tokens": np.asarray(a["tokens"][lo:hi], np.int32),
-                "assistant_mask": np.asarray(a["assistant_mask"][lo:hi], np.int32)}
-
-
-def split_samples(cfg: SFTLoaderConfig) -> grain.IterDataset:
-    """This process's samples of the split, shuffled per epoch, repeated `num_epochs` times (None: forever)."""
-    source = SampleSource(cfg.root, cfg.split)
-    if not len(source):
-        raise InputError(f"{cfg.root}: the {cfg.split} split has no samples (see metadata.json's splits)")
-    ds = grain.MapDataset.source(source)
-    if cfg.shuffle:
-        ds = ds.shuffle(seed=cfg.seed)
-    ds = ds.repeat(cfg.num_epochs)
-    index, count = cfg.processes
-    # Shuffle before slicing: one global order per epoch, so the processes' samples are disjoint.
-    return ds[index::count].to_iter_dataset()
+    def record(self, a: dict[str, np.ndarray], index: int) -> dict[str, np.ndarray]:
+        return self.tokens(a, int(a["offsets"][index]), int(a["offsets"][index + 1]))
 
 
 def pack_samples(samples: grain.IterDataset, row_len: int, pad_id: int, mode: SFTPackMode = "best_fit",
@@ -137,17 +90,6 @@ class _ShiftRow(grain.transforms.Map):
         return shift_sft_row(row, self.pad_id)
 
 
-@dataclasses.dataclass(frozen=True)
-class _PadBatch(grain.transforms.Map):
-    """The short last batch of a finite pass, filled with empty rows (pad tokens, segment 0, no loss), so every
-    batch has one shape and compiles once."""
-    rows: int
-    pad_id: int
-
-    def map(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return loader.pad_rows(batch, self.rows, self.pad_id)
-
-
 def sft_batches(cfg: SFTLoaderConfig, seq_len: int, global_batch: int) -> grain.IterDataset:
     """This process's share (global_batch / process_count rows) of each [rows, seq_len] batch.
 
@@ -159,10 +101,10 @@ def sft_batches(cfg: SFTLoaderConfig, seq_len: int, global_batch: int) -> grain.
         raise InputError(f"{cfg.root}: {cfg.split} samples have up to {longest} tokens; a row of seq_len={seq_len} "
                          f"holds {seq_len + 1} (one sample never spans rows): raise seq_len or re-run data_prep sft "
                          f"with --max-len {seq_len + 1}")
-    rows = loader.local_rows(global_batch, cfg.processes[1])
     pad_id = int(meta["tokenizer"]["pad_id"])
-    packed = pack_samples(split_samples(cfg), seq_len + 1, pad_id, cfg.pack, cfg.pack_bins, cfg.seed)
-    ds = packed.map(_ShiftRow(pad_id)).batch(rows, drop_remainder=False).map(_PadBatch(rows, pad_id))
+    samples = packed_source.split_records(SampleSource(cfg.root, cfg.split), cfg)
+    packed = pack_samples(samples, seq_len + 1, pad_id, cfg.pack, cfg.pack_bins, cfg.seed)
+    ds = packed_source.padded_batches(packed.map(_ShiftRow(pad_id)), cfg, global_batch, pad_id)
     if cfg.num_workers:
         from absl import flags  # mp_prefetch reads absl flags, which nobody parsed outside an absl app
         if not flags.FLAGS.is_parsed():

@@ -19,7 +19,8 @@ import ml_collections
 
 from glm46_jax.errors import InputError
 from glm46_jax.model.lora import LoRAConfig
-from glm46_jax.run_config import RLConfig, fine_tuning_config
+from glm46_jax.recipes.rl.config import RLConfig
+from glm46_jax.run_config import fine_tuning_config
 
 _PRESETS = {
     # After `configs/sft.py:rl_addition` (held-out greedy accuracy ~0.3): 150 rollouts of 8 prompts x 8 samples,

@@ -20,8 +20,9 @@ import ml_collections
 
 from glm46_jax.errors import InputError
 from glm46_jax.model.lora import LoRAConfig
-from glm46_jax.recipe_config import PPOConfig
-from glm46_jax.run_config import RLConfig, fine_tuning_config
+from glm46_jax.recipes.rl.config import RLConfig
+from glm46_jax.recipes.rl.ppo.config import PPOConfig
+from glm46_jax.run_config import fine_tuning_config
 
 # 150 rollouts of 32 prompts x 2 samples, 2 AdamW updates each at lr 1e-4 (as GRPO's, whose curvature argument
 # holds here: lr 2e-4 lowered held-out accuracy). The critic cannot tell prompts apart on this task (its value loss

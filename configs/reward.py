@@ -18,7 +18,7 @@ import ml_collections
 
 from glm46_jax.errors import InputError
 from glm46_jax.model.lora import LoRAConfig
-from glm46_jax.recipe_config import PreferenceConfig
+from glm46_jax.recipes.preference.config import PreferenceConfig
 from glm46_jax.run_config import fine_tuning_config
 
 _PRESETS = {

@@ -22,7 +22,8 @@ import ml_collections
 
 from glm46_jax.errors import InputError
 from glm46_jax.model.lora import LoRAConfig
-from glm46_jax.run_config import SFTConfig, fine_tuning_config
+from glm46_jax.recipes.sft import SFTConfig
+from glm46_jax.run_config import fine_tuning_config
 
 _PRESETS = {
     # LoRA rank 16 on every attention projection and dense/shared-expert FFN of make train's run: ~120 steps

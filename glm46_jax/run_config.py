@@ -18,6 +18,8 @@ import functools
 import importlib
 import json
 import os
+import types
+import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,15 +30,6 @@ from glm46_jax.data.curriculum import Curriculum
 from glm46_jax.model.lora import LoRAConfig
 from glm46_jax.parallel.distributed import DistributedConfig
 from glm46_jax.parallel.sharding import MESH_AXES
-from glm46_jax.recipe_config import (
-    PPOConfig,
-    PreferenceConfig,
-    RLConfig,
-    SFTConfig,
-    preference_steps,
-    rl_steps,
-    sft_steps,
-)
 from glm46_jax.training.balancing import BalanceConfig
 from glm46_jax.training.loss import LossConfig
 from glm46_jax.training.optim import OptimConfig
@@ -118,23 +111,24 @@ class RunConfig:
     # so a run can be reproduced from them.
     source: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
     recipe: str = "pretrain"  # a name in RECIPES: pretrain (and mid-training) | sft | grpo | ppo | reward | dpo
-    sft: SFTConfig | None = None  # recipe "sft": the chat data and full vs LoRA
     lora: LoRAConfig | None = None  # sft.method / rl.method "lora": the adapters
-    rl: RLConfig | None = None  # recipe "grpo": reinforcement learning with verifiable rewards
-    preference: PreferenceConfig | None = None  # recipes "reward" and "dpo": preference pairs
-    ppo: PPOConfig | None = None  # recipe "ppo" (with the rl section): the critic and the PPO objective
+    # The recipes' own sections, None where the config file has none: each the dataclass SECTIONS names beside its
+    # recipe (typed Any: this module names those classes, it cannot import them).
+    sft: Any = None  # recipe "sft": the chat data and full vs LoRA
+    rl: Any = None  # recipes "grpo" and "ppo": reinforcement learning with verifiable rewards
+    preference: Any = None  # recipes "reward" and "dpo": preference pairs
+    ppo: Any = None  # recipe "ppo" (with the rl section): the critic and the PPO objective
 
     def __post_init__(self):
         check_choice("config", self, "recipe", tuple(RECIPES))
-        entry = RECIPES[self.recipe]
-        if entry.section and getattr(self, entry.section) is None:
-            raise InputError(f"recipe={self.recipe} needs a config.{entry.section} section (see configs/"
-                             f"{self.recipe}.py)")
-        section = getattr(self, entry.section) if entry.section else None
-        if getattr(section, "method", None) == "lora" and self.lora is None:
-            raise InputError(f"{entry.section}.method=lora needs a config.lora section (rank, alpha, targets; see "
-                             "configs/sft.py)")
-        entry.check(self)
+        for name in RECIPES[self.recipe].sections:
+            section = getattr(self, name)
+            if section is None:
+                raise InputError(f"recipe={self.recipe} needs a config.{name} section (see configs/{self.recipe}.py)")
+            if getattr(section, "method", None) == "lora" and self.lora is None:
+                raise InputError(f"{name}.method=lora needs a config.lora section (rank, alpha, targets; see "
+                                 "configs/sft.py)")
+            section.check_run(self)
         stages = self.mesh.sizes().get("pipeline", 1)
         if stages > 1 and self.optim.layer_decay != 1.0:
             raise InputError(f"mesh.pipeline={stages} with optim.layer_decay={self.optim.layer_decay}: layer-wise lr "
@@ -158,66 +152,43 @@ class RecipeEntry:
     # (trainer.Recipe, TrainState)
     build: str | Callable[..., Any]
     steps: Callable[[RunConfig], int]  # the run's length
-    section: str | None = None  # the config section it needs (its settings), e.g. "sft"
-    check: Callable[[RunConfig], None] = lambda cfg: None  # what it cannot run with (InputError)
+    # The config sections it is handed (names in SECTIONS): each must be in the file, and each section's
+    # `check_run(run_cfg)` refuses what the recipe cannot run with (InputError).
+    sections: tuple[str, ...] = ()
 
     def load(self) -> Callable[..., Any]:
-        if callable(self.build):
-            return self.build
-        module, name = self.build.split(":")
-        return getattr(importlib.import_module(module), name)
+        return named(self.build) if isinstance(self.build, str) else self.build
 
 
-def _check_sft(cfg: RunConfig) -> None:
-    stages = cfg.mesh.sizes().get("pipeline", 1)
-    # Combinations the pipeline's slot-ordered MoE stack does not support (docs/pipeline.md#limits).
-    if stages > 1 and cfg.sft.method == "lora":
-        raise InputError(f"mesh.pipeline={stages} with sft.method=lora: LoRA adapters are not built for the "
-                         "pipeline's layer layout; set mesh.pipeline=1 (or sft.method=full)")
+def named(ref: str) -> Any:
+    """The object a "module:name" string names, imported now."""
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
-def _check_grpo(cfg: RunConfig) -> None:
-    stages, context = cfg.mesh.sizes().get("pipeline", 1), cfg.mesh.sizes().get("context", 1)
-    if stages > 1:
-        raise InputError(f"mesh.pipeline={stages} with recipe {cfg.recipe}: RL samples with the KV-cache generator and "
-                         "replays routing, which run the layers in order, not in pipeline stages; set "
-                         "mesh.pipeline=1 (give the devices to mesh.data or mesh.expert)")
-    if context > 1:
-        raise InputError(f"mesh.context={context} with recipe {cfg.recipe}: RL samples with the KV-cache generator, "
-                         "which keeps each sequence whole on a device; set mesh.context=1 (give the devices to "
-                         "mesh.data or mesh.expert)")
+# The recipes and their config sections, named "module:name" rather than imported (the recipes import this module,
+# and imports flow one way): a recipe's builder is imported when a run starts, a section's class when a config file
+# has that section.
 
-
-def _check_ppo(cfg: RunConfig) -> None:
-    if cfg.ppo is None:
-        raise InputError("recipe=ppo needs a config.ppo section (the critic and the PPO objective; see configs/ppo.py)")
-    if cfg.ppo.critic_method == "lora" and cfg.lora is None:
-        raise InputError("ppo.critic_method=lora needs a config.lora section (rank, alpha, targets; see configs/ppo.py)")
-    _check_grpo(cfg)
-
-
-def _check_preference(cfg: RunConfig) -> None:
-    stages, context = cfg.mesh.sizes().get("pipeline", 1), cfg.mesh.sizes().get("context", 1)
-    if context > 1:
-        raise InputError(f"mesh.context={context} with recipe {cfg.recipe}: a preference batch reads each reply's "
-                         "last position per row, which the context layout splits; set mesh.context=1")
-    if stages > 1 and cfg.preference.method == "lora":
-        raise InputError(f"mesh.pipeline={stages} with preference.method=lora: LoRA adapters are not built for the "
-                         "pipeline's layer layout; set mesh.pipeline=1 (or preference.method=full)")
-
+# Each recipe's own config section, by its name in the config file and RunConfig: a frozen dataclass beside the
+# recipe that checks itself, with `check_run(run_cfg)` and, where RECIPES reads it, `steps(train.steps)`.
+SECTIONS: dict[str, str] = {
+    "sft": "glm46_jax.recipes.sft:SFTConfig",
+    "rl": "glm46_jax.recipes.rl.config:RLConfig",
+    "ppo": "glm46_jax.recipes.rl.ppo.config:PPOConfig",
+    "preference": "glm46_jax.recipes.preference.config:PreferenceConfig",
+}
 
 # Every recipe `python -m glm46_jax.train` runs, by `config.recipe`: the one table the driver looks them up in.
 RECIPES: dict[str, RecipeEntry] = {
     "pretrain": RecipeEntry("glm46_jax.recipes.pretrain:build", lambda c: total_steps(c.data, c.train)),
-    "sft": RecipeEntry("glm46_jax.recipes.sft:build", lambda c: sft_steps(c.sft, c.train.steps), "sft", _check_sft),
-    "grpo": RecipeEntry("glm46_jax.recipes.rl.grpo.recipe:build", lambda c: rl_steps(c.rl, c.train.steps), "rl",
-                        _check_grpo),
-    "ppo": RecipeEntry("glm46_jax.recipes.rl.ppo.recipe:build", lambda c: rl_steps(c.rl, c.train.steps), "rl",
-                       _check_ppo),
+    "sft": RecipeEntry("glm46_jax.recipes.sft:build", lambda c: c.sft.steps(c.train.steps), ("sft",)),
+    "grpo": RecipeEntry("glm46_jax.recipes.rl.grpo.recipe:build", lambda c: c.rl.steps(c.train.steps), ("rl",)),
+    "ppo": RecipeEntry("glm46_jax.recipes.rl.ppo.recipe:build", lambda c: c.rl.steps(c.train.steps), ("rl", "ppo")),
     "reward": RecipeEntry("glm46_jax.recipes.preference.recipe:build_reward",
-                          lambda c: preference_steps(c.preference, c.train.steps), "preference", _check_preference),
+                          lambda c: c.preference.steps(c.train.steps), ("preference",)),
     "dpo": RecipeEntry("glm46_jax.recipes.preference.recipe:build_dpo",
-                       lambda c: preference_steps(c.preference, c.train.steps), "preference", _check_preference),
+                       lambda c: c.preference.steps(c.train.steps), ("preference",)),
 }
 
 
@@ -230,7 +201,22 @@ def total_steps(data: DataConfig, train: TrainConfig) -> int:
 def _section(cls: type, name: str, values: Mapping[str, Any], **extra: Any):
     # `extra` is what from_config_dict builds itself (data's curriculum), not a name the user may set.
     check_known_fields(f"config.{name}", values, {f.name for f in dataclasses.fields(cls)} - set(extra))
-    return cls(**{**dict(values), **extra})
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: _typed(hints[k], v) for k, v in values.items()}, **extra)
+
+
+def _typed(hint: Any, value: Any) -> Any:
+    """A JSON value as its field's type has it: JSON has no tuples, so a list becomes a tuple (its items too) where
+    the type says tuple (`tuple[str, ...]`, `tuple[int, int]`, `tuple[str, ...] | None`)."""
+    if not isinstance(value, list):
+        return value
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return next((_typed(h, value) for h in args if typing.get_origin(h) is tuple), value)
+    if origin is not tuple:
+        return value
+    items = args[:1] * len(value) if len(args) == 2 and args[1] is Ellipsis else args
+    return tuple(_typed(h, v) for h, v in zip(items, value)) if len(items) == len(value) else tuple(value)
 
 
 def from_config_dict(config: Any) -> RunConfig:
@@ -242,18 +228,8 @@ def from_config_dict(config: Any) -> RunConfig:
     data_cfg = _section(DataConfig, "data", data, curriculum=curriculum_lib.from_config(phases, order))
     train_cfg = _section(TrainConfig, "train", d["train"])
     recipe = d.get("recipe", "pretrain")
-    sft = _section(SFTConfig, "sft", d["sft"]) if d.get("sft") is not None else None
-    lora = LoRAConfig.from_dict(d["lora"]) if d.get("lora") is not None else None
-    rl = None
-    if d.get("rl") is not None:
-        rl_values = dict(d["rl"])
-        for key in ("rewards", "reward_weights", "heldout_rewards"):  # JSON lists -> the dataclass's tuples
-            if isinstance(rl_values.get(key), list):
-                rl_values[key] = tuple(rl_values[key])
-        rl = _section(RLConfig, "rl", rl_values)
-    preference = _section(PreferenceConfig, "preference", d["preference"]) if d.get("preference") is not None \
-        else None
-    ppo = _section(PPOConfig, "ppo", d["ppo"]) if d.get("ppo") is not None else None
+    lora = _section(LoRAConfig, "lora", d["lora"]) if d.get("lora") is not None else None
+    sections = {name: _section(named(ref), name, d[name]) for name, ref in SECTIONS.items() if d.get(name) is not None}
     cfg = RunConfig(
         run_dir=os.path.abspath(d["run_dir"]), model=model_config_from_dict(d["model"]),
         mesh=_section(MeshConfig, "mesh", d["mesh"]), train=train_cfg,
@@ -261,8 +237,7 @@ def from_config_dict(config: Any) -> RunConfig:
         distributed=_section(DistributedConfig, "distributed", d.get("distributed", {})),
         monitor=_section(MonitorConfig, "monitor", d.get("monitor", {})),
         optim=_section(OptimConfig, "optim", d["optim"]), loss=_section(LossConfig, "loss", d["loss"]),
-        balance=_section(BalanceConfig, "balance", d["balance"]), source=d, recipe=recipe, sft=sft, lora=lora, rl=rl,
-        preference=preference, ppo=ppo)
+        balance=_section(BalanceConfig, "balance", d["balance"]), source=d, recipe=recipe, lora=lora, **sections)
     if cfg.optim.decay_steps <= 0:  # 0 = the schedule spans the run
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=cfg.total_steps))
     return cfg

@@ -4,11 +4,12 @@
 
 The config file (ml_collections, with `--config.x.y=` overrides) is turned into a typed
 `run_config.RunConfig` once, in `main`; a bad value stops the run there with one line (exit 2).
-The recipe is looked up by `config.recipe` in `run_config.RECIPES`: pre-training over the curriculum
-(`pretrain.Pretraining`), "sft" fine-tuning on chat data (`sft.FineTuning`, configs/sft.py), "grpo"
-reinforcement learning with verifiable rewards (`rl.recipe.GRPO`, configs/grpo.py); every recipe is driven
-the same way (`trainer.Recipe`), and the loop around the step (evaluation, bad steps, metrics, checkpoints,
-preemption) is `trainer.fit`'s.
+The recipe is looked up by `config.recipe` in `run_config.RECIPES`, which names its builder and config sections:
+pre-training over the curriculum (`pretrain.Pretraining`), "sft" fine-tuning on chat data (`sft.FineTuning`,
+configs/sft.py), "grpo" and "ppo" reinforcement learning (`recipes.rl.grpo.recipe`, `recipes.rl.ppo.recipe`),
+"reward" and "dpo" on preference pairs (`recipes.preference.recipe`); every recipe is driven the same way
+(`trainer.Recipe`), and the loop around the step (evaluation, bad steps, metrics, checkpoints, preemption) is
+`trainer.fit`'s.
 
 Writes to `run_dir`: config.json (the config as given), tokenizer.json (the corpus's),
 metrics.jsonl and tensorboard/ (`monitor.sinks`: also Prometheus and W&B; docs/monitoring.md), checkpoints/<step>/ (`checkpoint.Checkpointer`:

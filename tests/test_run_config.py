@@ -105,6 +105,8 @@ def test_each_config_section_lists_its_dataclass_fields():
     from glm46_jax.training.balancing import BalanceConfig
     from glm46_jax.config import ModelConfig
     from glm46_jax.model.lora import LoRAConfig
+    from glm46_jax.recipes.rl.config import RLConfig
+    from glm46_jax.recipes.sft import SFTConfig
     from glm46_jax.training.loss import LossConfig
     from glm46_jax.training.optim import OptimConfig
 
@@ -125,8 +127,8 @@ def test_each_config_section_lists_its_dataclass_fields():
     for section, names in expected.items():
         assert set(c[section]) == names, section
     sft, grpo = _load("sft", "tiny"), _load("grpo", "tiny")
-    assert set(sft["sft"]) == fields(run_config.SFTConfig) and set(sft["lora"]) == fields(LoRAConfig)
-    assert set(grpo["rl"]) == fields(run_config.RLConfig) and set(grpo["lora"]) == fields(LoRAConfig)
+    assert set(sft["sft"]) == fields(SFTConfig) and set(sft["lora"]) == fields(LoRAConfig)
+    assert set(grpo["rl"]) == fields(RLConfig) and set(grpo["lora"]) == fields(LoRAConfig)
 
 
 def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
@@ -218,3 +220,34 @@ def test_total_steps_are_computed_once_without_disk_io_afterwards(tmp_path):
     assert cfg.optim.decay_steps == 4  # decay_steps 0: the schedule spans the run
     (root / "metadata.json").unlink()
     assert cfg.total_steps == 4
+
+
+@pytest.mark.parametrize("name, preset", [("sft", "tiny"), ("grpo", "tiny"), ("ppo", "addition"), ("dpo", "tiny"),
+                                          ("reward", "tiny")])
+def test_the_config_file_round_trip_keeps_every_section_as_written(name, preset):
+    """The ConfigDict goes through JSON (tuples come back as lists): each section of the typed config equals its
+    dataclass built from the file's values, tuples included (rl.rewards, lora.targets)."""
+    c = run_config.config_file(os.path.join(ROOT, "configs", f"{name}.py"), preset)
+    c.train.steps = 5  # no dataset on disk needed for the run's length
+    cfg = run_config.from_config_dict(c)
+    written = c.to_dict()
+    sections = [s for s in (*run_config.SECTIONS, "lora") if written.get(s) is not None]
+    assert set(run_config.RECIPES[name].sections) <= set(sections)
+    for section in sections:
+        typed = getattr(cfg, section)
+        assert typed == type(typed)(**written[section]), section
+    if cfg.rl is not None:
+        assert cfg.rl.rewards == ("exact_answer",) and cfg.rl.reward_weights == (1.0,)
+    if cfg.lora is not None:
+        assert isinstance(cfg.lora.targets, tuple) and all(isinstance(t, str) for t in cfg.lora.targets)
+
+
+def test_the_registry_names_what_exists():
+    """RECIPES and SECTIONS name their builders and section classes by string (the recipes import run_config): each
+    string resolves to a dataclass with the rule RunConfig calls (`check_run`), under its RunConfig field's name."""
+    for entry in run_config.RECIPES.values():
+        assert callable(entry.load()) and set(entry.sections) <= set(run_config.SECTIONS)
+    for name, ref in run_config.SECTIONS.items():
+        cls = run_config.named(ref)
+        assert dataclasses.is_dataclass(cls) and name in {f.name for f in dataclasses.fields(run_config.RunConfig)}
+        assert callable(cls.check_run)

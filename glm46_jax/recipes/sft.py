@@ -18,6 +18,7 @@ weight, starting from `init_from` (docs/sft.md#the-sft-recipe).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -26,11 +27,49 @@ import jax
 from absl import logging
 
 from glm46_jax.data import iterator_state, loader, sft_loader
+from glm46_jax.errors import InputError, check_at_least, check_choice, check_range
 from glm46_jax.recipes.base import LanguageModeling, warn_random_start
-from glm46_jax.run_config import RunConfig, SFTConfig
+from glm46_jax.run_config import RunConfig
 from glm46_jax.recipes import models
 from glm46_jax.training.step import TrainState
 from glm46_jax.training.trainer import Segment, StepInput
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """`--config.sft.<field>` (recipe "sft", handed to it as `cfg.sft`): the chat data and how much of the model
+    trains. `run_config.SECTIONS` names it (by string: this module imports run_config)."""
+    root: str = "data/sample_sft"  # written by `python -m data_prep sft`
+    seq_len: int = 512
+    global_batch: int = 16
+    epochs: float = 1.0  # the run's length when train.steps = 0: passes over the train split's tokens
+    pack: str = "best_fit"
+    method: str = "lora"  # lora: adapters on frozen base weights | full: every weight trains
+    num_workers: int = 0
+
+    def __post_init__(self):
+        check_at_least("sft", self, 2, "seq_len")
+        check_at_least("sft", self, 1, "global_batch")
+        check_at_least("sft", self, 0, "num_workers")
+        check_range("sft", self, "epochs", gt=0, meaning="passes over the train split (used when train.steps=0)")
+        check_choice("sft", self, "pack", ("best_fit", "first_fit"))
+        check_choice("sft", self, "method", ("lora", "full"), "lora: adapters on frozen weights; full: all weights")
+
+    def steps(self, train_steps: int) -> int:
+        """The run's length: train.steps when > 0, else `epochs` passes over the train split's tokens in batches of
+        global_batch x seq_len (packing pads a little, so a nominal pass is slightly short of a real one)."""
+        if train_steps > 0:
+            return train_steps
+        tokens = int(sft_loader.read_sft_metadata(self.root)["splits"]["train"]["tokens"])
+        return max(1, math.ceil(self.epochs * tokens / (self.global_batch * self.seq_len)))
+
+    def check_run(self, cfg: RunConfig) -> None:
+        """What SFT cannot run with, as one InputError: LoRA on a pipeline mesh, whose slot-ordered MoE stack the
+        adapters are not built for (docs/pipeline.md#limits)."""
+        stages = cfg.mesh.sizes().get("pipeline", 1)
+        if stages > 1 and self.method == "lora":
+            raise InputError(f"mesh.pipeline={stages} with sft.method=lora: LoRA adapters are not built for the "
+                             "pipeline's layer layout; set mesh.pipeline=1 (or sft.method=full)")
 
 
 @dataclasses.dataclass

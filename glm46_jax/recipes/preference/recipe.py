@@ -32,7 +32,7 @@ from glm46_jax.parallel import distributed, sharding
 from glm46_jax.recipes import models
 from glm46_jax.recipes.base import RecipeBase, warn_random_start
 from glm46_jax.recipes.preference import step as pair_step
-from glm46_jax.recipe_config import PreferenceConfig
+from glm46_jax.recipes.preference.config import PreferenceConfig
 from glm46_jax.run_config import RunConfig
 from glm46_jax.training.step import LossFn, TrainState
 from glm46_jax.training.trainer import Segment, StepInput

@@ -29,7 +29,7 @@ from jaxtyping import Array, Float, Int
 from glm46_jax.model import apply, lora
 from glm46_jax.parallel import sharding
 from glm46_jax.recipes.preference import objective
-from glm46_jax.recipe_config import PreferenceConfig
+from glm46_jax.recipes.preference.config import PreferenceConfig
 from glm46_jax.training.loss import nll_and_lse
 from glm46_jax.training.step import LossFn, make_step, whole_models
 

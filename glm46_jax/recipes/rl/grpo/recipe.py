@@ -47,7 +47,7 @@ from glm46_jax.recipes.rl.reward_model import ModelScorer, check_same_tokenizer
 from glm46_jax.recipes.rl.rewards import Rewards
 from glm46_jax.recipes.rl.rollout import Rollout, Sampling, sample_groups, strip_stop, training_rows
 from glm46_jax.recipes.rl.grpo.step import StepSettings, completion_logprobs, make_grpo_step
-from glm46_jax.recipe_config import RLConfig
+from glm46_jax.recipes.rl.config import RLConfig
 from glm46_jax.run_config import RunConfig
 from glm46_jax.recipes import models
 from glm46_jax.training import checkpoint

@@ -35,7 +35,7 @@ from glm46_jax.recipes import models
 from glm46_jax.recipes.base import warn_random_start
 from glm46_jax.recipes.rl.grpo.recipe import GRPO, _device_batch, check_rl, model_scorer, rl_inputs, rollout_batch
 from glm46_jax.recipes.rl.ppo import objective
-from glm46_jax.recipe_config import PPOConfig
+from glm46_jax.recipes.rl.ppo.config import PPOConfig
 from glm46_jax.recipes.rl.ppo.step import PPOSettings, make_ppo_step, values_fn
 from glm46_jax.run_config import RunConfig
 from glm46_jax.training import checkpoint

@@ -11,7 +11,6 @@ recipe) and `LanguageModeling` (next-token training on token batches: pre-traini
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,9 +22,9 @@ from glm46_jax.config import ModelConfig
 from glm46_jax.data import loader
 from glm46_jax.model.attention import check_documents_fit
 from glm46_jax.model.counting import flops_per_token
-from glm46_jax.parallel import distributed
-from glm46_jax.run_config import RunConfig
 from glm46_jax.recipes import models
+from glm46_jax.run_config import RunConfig
+from glm46_jax.training import compiled
 from glm46_jax.training.balancing import rate_at
 from glm46_jax.training.loss import mtp_weight_at
 from glm46_jax.training.step import StepConfig, TrainState, controls, make_eval_step, make_train_step
@@ -106,34 +105,39 @@ class RecipeBase:
         pass
 
 
+def mean_and_perplexity(per_batch: list[dict[str, Any]]) -> dict[str, float]:
+    """Each metric's mean over the batches, and the perplexity of the mean CE (not the mean of perplexities)."""
+    out = {k: float(np.mean([m[k] for m in per_batch])) for k in per_batch[0]}
+    out["ppl"] = float(np.exp(out["ce"]))
+    return out
+
+
 class HeldOut:
-    """Held-out sets scored by one compiled eval program per segment and batch shape: `eval/<metric>` for the
-    segment's own mixture (set ""), `eval/<set>/<metric>` for a named set (a domain); {} without held-out data."""
+    """Held-out sets scored by one compiled eval program per segment and batch shape (`compiled.CompileOnce`), each
+    set's per-batch metrics reduced by `summarize`: `eval/<metric>` for the segment's own set (name ""),
+    `eval/<set>/<metric>` for a named set (a domain); {} without held-out data."""
 
-    def __init__(self, eval_step_for: Callable[[Any], Callable], sets_for: Callable[[Any], dict[str, list]]):
-        self.eval_step_for, self.sets_for = eval_step_for, sets_for
+    def __init__(self, eval_step_for: Callable[[Any], Callable], sets_for: Callable[[Any], dict[str, list]],
+                 summarize: Callable[[list[dict[str, Any]]], dict[str, float]] = mean_and_perplexity):
+        self.eval_step_for, self.sets_for, self.summarize = eval_step_for, sets_for, summarize
         self.sets: dict[str, dict[str, list]] = {}
-        self.compiled: dict[tuple, Any] = {}
+        self.programs = compiled.CompileOnce("eval step")
 
-    def __call__(self, state: Any, segment: Any, ctrl: Any, frozen: Any) -> dict[str, float]:
+    def scores(self, state: Any, segment: Any, ctrl: Any, frozen: Any) -> dict[str, dict[str, float]]:
+        """Each held-out set's metrics: {set name: {metric: value}}; sets without batches left out."""
         if segment.name not in self.sets:
             self.sets[segment.name] = self.sets_for(segment)
         out = {}
         for name, batches in self.sets[segment.name].items():
-            if not batches:
-                continue
-            key = (segment.name, batches[0]["inputs"].shape)
-            if key not in self.compiled:
-                t0 = time.perf_counter()
-                self.compiled[key] = self.eval_step_for(segment).lower(state, batches[0], ctrl, frozen).compile()
-                distributed.barrier(f"compiled {segment.name} eval step")  # before its first collective
-                logging.info("%s: compiled the eval step for batch %s in %.1f s", segment.name, key[1],
-                             time.perf_counter() - t0)
-            per_batch = jax.device_get([self.compiled[key](state, b, ctrl, frozen) for b in batches])
-            prefix = f"eval/{name}/" if name else "eval/"
-            out.update({f"{prefix}{k}": float(np.mean([m[k] for m in per_batch])) for k in per_batch[0]})
-            out[f"{prefix}ppl"] = float(np.exp(out[f"{prefix}ce"]))  # of the mean CE, not the mean of ppls
+            if batches:
+                run = self.programs.get(segment.name, batches[0]["inputs"].shape, lambda: self.eval_step_for(segment),
+                                        state, batches[0], ctrl, frozen)
+                out[name] = self.summarize(jax.device_get([run(state, b, ctrl, frozen) for b in batches]))
         return out
+
+    def __call__(self, state: Any, segment: Any, ctrl: Any, frozen: Any) -> dict[str, float]:
+        return {f"eval/{name}/{k}" if name else f"eval/{k}": v
+                for name, metrics in self.scores(state, segment, ctrl, frozen).items() for k, v in metrics.items()}
 
 
 class LanguageModeling(RecipeBase):

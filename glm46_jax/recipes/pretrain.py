@@ -6,7 +6,7 @@
 
 Each curriculum phase (`data.curriculum.Phase`) is a segment of the run: it brings its sequence
 length, batch, mixture, packing and RoPE theta, so the step is traced per RoPE theta and compiled
-per batch shape. The step is `train_step.make_train_step` (Muon + AdamW, MTP and aux losses,
+per batch shape. The step is `training.step.make_train_step` (Muon + AdamW, MTP and aux losses,
 loss-free balancing); the MTP weight and the balancing rate follow the tokens seen (`controls_at`).
 The starting weights are `checkpoint.init_from`'s (mid-training) or a random init (`models.build`).
 """

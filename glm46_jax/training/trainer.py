@@ -5,10 +5,10 @@
 
 A recipe (`Recipe`) says what a step is, where its batches come from and how it is evaluated: pre-training
 (`glm46_jax.recipes.pretrain`) walks a curriculum of phases; a fine-tuning recipe brings chat batches and an
-RL recipe sampled rollouts, each with its own loss in the one update step (`train_step.make_step`). The
+RL recipe sampled rollouts, each with its own loss in the one update step (`step.make_step`). The
 driver owns everything around the step and is the same for all of them:
-  * `Programs`: each segment's (phase's) train step, compiled ahead of time once per batch shape (a
-    batch of another shape fails loudly instead of silently recompiling);
+  * each segment's (phase's) train step, compiled ahead of time once per batch shape (`compiled.CompileOnce`:
+    a batch of another shape fails loudly instead of silently recompiling);
   * `BadSteps`: non-finite or spiking steps are skipped by the step itself; here the policy after
     several in a row: stop ("skip") or roll back to the last checkpoint ("rollback");
   * `StepTimer`: step time, tokens/s and MFU with compilation and evaluation kept out;
@@ -40,9 +40,9 @@ from absl import logging
 from tqdm import tqdm
 
 from glm46_jax.errors import check_at_least, check_choice
-from glm46_jax.parallel import distributed, sharding
 from glm46_jax.monitoring import metrics, monitor
-from glm46_jax.training import checkpoint
+from glm46_jax.parallel import sharding
+from glm46_jax.training import checkpoint, compiled
 
 _END_WINDOW = 10  # "end loss" = mean over this many final steps: one noisy batch says little
 
@@ -95,7 +95,7 @@ class StepInput:
 
 class Recipe(Protocol):
     """Everything `train.train` and `fit` call on a recipe (docs/trainer.md#the-recipe-interface).
-    `recipe_base.RecipeBase` implements the recipe-independent members once."""
+    `recipes.base.RecipeBase` implements the recipe-independent members once."""
     mesh: jax.sharding.Mesh
     total_steps: int
     global_rows: bool  # every process reads the whole batch: the data state restores on any process count
@@ -245,30 +245,6 @@ class StepTimer:
         return self.flops / self.train_s / self.peak if self.peak and self.train_s else None
 
 
-class Programs:
-    """Each segment's train step, compiled ahead of time once per batch shape (a batch of another shape fails
-    loudly instead of silently recompiling)."""
-
-    def __init__(self, recipe: Recipe, timer: StepTimer, watch: monitor.Watch):
-        self.recipe, self.timer, self.watch = recipe, timer, watch
-        self.compiled: dict[tuple, Any] = {}
-        self.compile_s = 0.0
-
-    def get(self, state: Any, inp: StepInput) -> Any:
-        key = (inp.segment.name, inp.batch["inputs"].shape)
-        if key not in self.compiled:
-            t0 = time.perf_counter()
-            with self.watch.paused(f"compiling {inp.segment.name}"):  # a compile is not a hang
-                step = self.recipe.steps_for(inp.segment)
-                self.compiled[key] = step.lower(state, inp.batch, inp.controls, self.recipe.frozen).compile()
-                distributed.barrier(f"compiled {inp.segment.name} train step")  # before its first collective
-            seconds = time.perf_counter() - t0
-            self.compile_s += seconds
-            self.timer.exclude(seconds)  # a new segment's compile is not step time
-            logging.info("%s: compiled for batch %s in %.1f s", inp.segment.name, key[1], seconds)
-        return self.compiled[key]
-
-
 def _scalars(values: Mapping[str, Any], prefix: str) -> dict[str, float]:
     return {f"{prefix}/{k}": float(v) for k, v in jax.device_get(values).items()}
 
@@ -315,7 +291,7 @@ class _Loop:
     cfg: TrainConfig
     ckpt: checkpoint.Checkpointer
     stop: Preemption
-    programs: Programs
+    programs: compiled.CompileOnce  # the train steps
     timer: StepTimer
     bad: BadSteps
     progress: Progress
@@ -340,8 +316,9 @@ def fit(recipe: Recipe, state: Any, ckpt: checkpoint.Checkpointer, cfg: TrainCon
         watch = monitor.Watch(monitor_cfg, run_dir, profile_steps=cfg.profile_steps,
                               profile_all=cfg.profile_all_processes, total_steps=recipe.total_steps)
         closing.callback(watch.close)  # closed first: the exporter's linger after the run is not a hang
-        loop = _Loop(recipe, cfg, ckpt, stop, Programs(recipe, timer, watch), timer, BadSteps(cfg, ckpt, global_rows),
-                     progress, watch)
+        # A new segment's compile is neither a hang nor step time.
+        programs = compiled.CompileOnce("train step", while_compiling=watch.paused, after=timer.exclude)
+        loop = _Loop(recipe, cfg, ckpt, stop, programs, timer, BadSteps(cfg, ckpt, global_rows), progress, watch)
         logging.info("%d steps; MFU peak %.3g FLOP/s (%s)", recipe.total_steps, timer.peak or 0, timer.peak_source)
         inp = recipe.next_input(state, loop.bad.max_loss)
         timer.restart()
@@ -359,7 +336,8 @@ def _step(loop: _Loop, step: int, state: Any, inp: StepInput) -> tuple[Any, Step
     """Run `step` on `inp`; log, evaluate and save as due. Returns (state, next input, stopping)."""
     recipe, cfg, watch = loop.recipe, loop.cfg, loop.watch
     loop.progress.enter(inp.segment)
-    train_step = loop.programs.get(state, inp)
+    train_step = loop.programs.get(inp.segment.name, inp.batch["inputs"].shape, lambda: recipe.steps_for(inp.segment),
+                                   state, inp.batch, inp.controls, recipe.frozen)
     started = time.perf_counter()
     watch.before_step(step)
     last = step == recipe.total_steps
@@ -428,7 +406,7 @@ def _summary(loop: _Loop, step: int) -> dict[str, Any]:
         "end_loss": float(np.mean([m["ce"] for m in tail])) if tail and "ce" in tail[0] else float("nan"),
         "start_total_loss": p.first.get("train/loss", float("nan")),
         "end_total_loss": float(np.mean([m["loss"] for m in tail])) if tail else float("nan"),
-        "end_window": len(tail), **p.last_eval, "compile_s": loop.programs.compile_s, "step_s": t.step_s,
+        "end_window": len(tail), **p.last_eval, "compile_s": loop.programs.seconds, "step_s": t.step_s,
         "phases": p.segments, "tokens_seen": loop.tokens_seen,
         "steps": step, "start_step": t.start_step, "preempted": loop.stop.requested,
         "save_block_s": loop.save_block_s, "rollbacks": loop.bad.rollbacks, "mfu": t.run_mfu,

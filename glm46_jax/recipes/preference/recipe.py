@@ -28,9 +28,9 @@ from absl import logging
 from glm46_jax import atomic
 from glm46_jax.data import iterator_state, loader, preference_loader
 from glm46_jax.model import abstract_model
-from glm46_jax.parallel import distributed, sharding
+from glm46_jax.parallel import sharding
 from glm46_jax.recipes import models
-from glm46_jax.recipes.base import RecipeBase, warn_random_start
+from glm46_jax.recipes.base import HeldOut, RecipeBase, warn_random_start
 from glm46_jax.recipes.preference import step as pair_step
 from glm46_jax.recipes.preference.config import PreferenceConfig
 from glm46_jax.run_config import RunConfig
@@ -46,8 +46,6 @@ class Pairs(RecipeBase):
     data: Any = None  # the train iterator, set by `start`
     tokens_seen: int = 0  # token slots of the batches so far (global_batch x seq_len per step)
     start_metrics: dict[str, float] | None = None
-    _heldout: list[dict[str, jax.Array]] | None = None
-    _eval_compiled: Any = None
 
     @property
     def pref(self) -> PreferenceConfig:
@@ -100,39 +98,28 @@ class Pairs(RecipeBase):
 
     # --- held-out pairs -----------------------------------------------------------------------
 
-    def heldout_batches(self) -> list[dict[str, jax.Array]]:
+    def heldout_sets(self, segment: Any) -> dict[str, list[dict[str, jax.Array]]]:
         """The first train.eval_batches batches of one pass over the held-out pairs (every process reads them
-        whole and keeps its rows); [] without a held-out split."""
-        if self._heldout is None:
-            meta = preference_loader.read_preference_metadata(self.pref.root)
-            if not meta["splits"].get("heldout", {}).get("pairs"):
-                logging.warning("%s: no held-out pairs; no eval metrics (data_prep preferences --heldout-fraction)",
-                                self.pref.root)
-                self._heldout = []
-            else:
-                cfg = self._loader_cfg("heldout", num_epochs=1, shuffle=False, process_index=0, process_count=1)
-                it = iter(preference_loader.preference_batches(cfg, self.pref.seq_len, self.pref.global_batch))
-                self._heldout = [loader.to_global(b, self.mesh, global_rows=True)
-                                 for _, b in zip(range(self.cfg.train.eval_batches), it)]
-        return self._heldout
+        whole and keeps its rows) as the segment's one set; {} without a held-out split."""
+        meta = preference_loader.read_preference_metadata(self.pref.root)
+        if not meta["splits"].get("heldout", {}).get("pairs"):
+            logging.warning("%s: no held-out pairs; no eval metrics (data_prep preferences --heldout-fraction)",
+                            self.pref.root)
+            return {}
+        cfg = self._loader_cfg("heldout", num_epochs=1, shuffle=False, process_index=0, process_count=1)
+        it = iter(preference_loader.preference_batches(cfg, self.pref.seq_len, self.pref.global_batch))
+        return {"": [loader.to_global(b, self.mesh, global_rows=True)
+                     for _, b in zip(range(self.cfg.train.eval_batches), it)]}
+
+    @functools.cached_property
+    def _heldout(self) -> HeldOut:  # the base's held-out path: one compiled eval program, the batches read once
+        return HeldOut(lambda segment: pair_step.make_pair_eval(self.loss, self.name), self.heldout_sets,
+                       summarize=_pair_mean)
 
     def held_out(self, state: TrainState) -> dict[str, float]:
         """Each metric averaged over the held-out pairs (batches weighted by their pairs); {} without any."""
-        batches = self.heldout_batches()
-        if not batches:
-            return {}
-        if self._eval_compiled is None:
-            evaluate = pair_step.make_pair_eval(self.loss, self.name)
-            with sharding.use_mesh(self.mesh):
-                self._eval_compiled = evaluate.lower(state, batches[0], {}, self.frozen).compile()
-            distributed.barrier("compiled the preference eval step")
-        with sharding.use_mesh(self.mesh):
-            per_batch = jax.device_get([self._eval_compiled(state, b, {}, self.frozen) for b in batches])
-        pairs = np.array([m["pairs"] for m in per_batch], np.float64)
-        out = {k: float(np.sum([m[k] for m in per_batch] * pairs) / max(pairs.sum(), 1.0))
-               for k in per_batch[0] if k != "pairs"}
-        out["pairs"] = float(pairs.sum())
-        return out
+        with sharding.use_mesh(self.mesh):  # also called outside the trainer's loop (start, finish)
+            return self._heldout.scores(state, self.segment, {}, self.frozen).get("", {})
 
     def evaluate(self, state: TrainState, segment: Any, controls: Any) -> dict[str, float]:
         return {f"eval/{k}": v for k, v in self.held_out(state).items()}
@@ -149,6 +136,15 @@ class Pairs(RecipeBase):
 
     def close(self) -> None:
         self.data = None
+
+
+def _pair_mean(per_batch: list[dict[str, Any]]) -> dict[str, float]:
+    """Each metric averaged over the pairs (batches weighted by their pair counts), and the pair count."""
+    pairs = np.array([m["pairs"] for m in per_batch], np.float64)
+    out = {k: float(np.sum([m[k] for m in per_batch] * pairs) / max(pairs.sum(), 1.0))
+           for k in per_batch[0] if k != "pairs"}
+    out["pairs"] = float(pairs.sum())
+    return out
 
 
 def _fmt(metrics: dict[str, float]) -> str:

@@ -14,7 +14,7 @@ and train the same rows. Everything is compiled first (one warm-up rollout and o
 timed program), then `--rollouts` RL steps are timed; an RL step is one rollout (`prompts_per_step` x `group_size`
 samples, rewards, training rows) and the `minibatches` optimizer steps on it. Per RL step, the phases:
 
-  rollout      sampling + reward scoring + building the rows (`_rollout` less `with_advantages`)
+  rollout      sampling + reward scoring + building the rows (`next_rollout` less `with_advantages`)
   forwards     `with_advantages` (GRPO: the group advantages on the host; PPO: the critic's forward for the old
                values, with rl.kl_coef > 0 the reference's log-probs, per-token rewards, GAE, whitening) plus
                `next_input` (the minibatch's transfer; GRPO with rl.kl_coef > 0: the reference's forward there);
@@ -55,9 +55,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from data_prep import rl_tasks
 from glm46_jax import run_config
 from glm46_jax.parallel import sharding
-from glm46_jax.recipes.rl.grpo import objective as grpo_objective
+from glm46_jax.recipes.rl import objective as policy_objective
 from glm46_jax.recipes.rl.grpo import recipe as grpo_recipe
-from glm46_jax.recipes.rl.grpo.step import completion_logprobs, like
+from glm46_jax.recipes.rl.logprobs import completion_logprobs, like
 from glm46_jax.recipes.rl.ppo import objective as ppo_objective
 from glm46_jax.recipes.rl.ppo import recipe as ppo_recipe
 from glm46_jax.recipes.rl.ppo.step import critic_values
@@ -107,13 +107,13 @@ def ppo_variants(recipe):
         logp, entropy, _ = completion_logprobs(params["policy"], buffers["policy"], policy.graphdef, batch,
                                                s.temperature, s.routing_replay)
         mask, old = like(batch["completion_mask"], logp), like(batch["old_logprobs"], logp)
-        pg, stats = grpo_objective.policy_loss(logp, old, like(batch["advantages"], logp), mask,
+        pg, stats = policy_objective.policy_loss(logp, old, like(batch["advantages"], logp), mask,
                                                clip_low=s.clip_low, clip_high=s.clip_high, aggregation="token")
         n = jnp.maximum(mask.sum(), 1.0)
         ent = jnp.sum(entropy * mask) / n
         loss = pg - s.entropy_coef * ent
         if s.kl_in_loss and s.kl_coef > 0:
-            kl = grpo_objective.kl_k3(logp, like(batch["ref_logprobs"], logp))
+            kl = policy_objective.kl_k3(logp, like(batch["ref_logprobs"], logp))
             loss = loss + s.kl_coef * jnp.sum(kl * mask) / n
         return loss, {"loss": loss, "pg_loss": pg, "entropy": ent, **stats}
 
@@ -172,7 +172,7 @@ def bench(args, data: str, name: str) -> dict:
             return out
         return run
 
-    recipe._ref_logprobs = synced(recipe._ref_logprobs)
+    recipe.ref_logprobs = synced(recipe.ref_logprobs)
     if name == "ppo":
         recipe.__dict__["_values"] = synced(recipe._values)  # a cached_property: the instance's copy
 
@@ -191,7 +191,7 @@ def bench(args, data: str, name: str) -> dict:
     def rl_step(state):
         forward_s[0] = model_s[0] = 0.0
         t0 = time.perf_counter()
-        recipe._rollout(state)
+        recipe.next_rollout(state)
         rollout_s = time.perf_counter() - t0
         stats = dict(recipe.stats)
         row = {"rollout_s": rollout_s - forward_s[0], "sampling_s": stats["sampling_s"],

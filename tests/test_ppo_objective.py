@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm46_jax.recipes.rl.grpo.objective import kl_k3
+from glm46_jax.recipes.rl.objective import kl_k3
 from glm46_jax.recipes.rl.ppo import objective
 
 T = 10

@@ -15,10 +15,11 @@ from conftest import randomize_params
 from glm46_jax.parallel import sharding
 from glm46_jax.config import TINY
 from glm46_jax.model import apply, init_model
-from glm46_jax.recipes.rl import rewards, sandbox
-from glm46_jax.recipes.rl.grpo import objective
+from glm46_jax.recipes.rl import objective, rewards, sandbox
+from glm46_jax.recipes.rl.grpo import objective as grpo_objective
 from glm46_jax.recipes.rl.rollout import Sampling, sample_groups, training_rows
-from glm46_jax.recipes.rl.grpo.step import StepSettings, completion_logprobs, grpo_loss
+from glm46_jax.recipes.rl.grpo.step import StepSettings, grpo_loss
+from glm46_jax.recipes.rl.logprobs import completion_logprobs
 from glm46_jax.infer.score import token_logprobs
 
 CFG = dataclasses.replace(TINY, vocab_size=128, dtype="float32")
@@ -42,14 +43,14 @@ def _np_advantages(r, g, estimator, eps=1e-6):
     return np.asarray(out)
 
 
-@pytest.mark.parametrize("estimator", objective.ESTIMATORS)
+@pytest.mark.parametrize("estimator", grpo_objective.ESTIMATORS)
 @pytest.mark.parametrize("rewards_, g", [
     ([1, 0, 0, 1, 0.5, 0.5, 0.5, 0.5], 4),  # a mixed group and an all-equal group (advantage 0)
     ([3.0, -1.0, 2.0], 1),  # single-sample groups: no baseline to compare against, advantage 0
     ([0.0, 1.0, 1.0, 1.0, 0.0, 0.0], 3),
 ])
 def test_advantages_equal_numpy(estimator, rewards_, g):
-    got = np.asarray(objective.advantages(jnp.asarray(rewards_), g, estimator))
+    got = np.asarray(grpo_objective.advantages(jnp.asarray(rewards_), g, estimator))
     np.testing.assert_allclose(got, _np_advantages(rewards_, g, estimator), rtol=1e-5, atol=1e-6)
     if g == 4:
         np.testing.assert_array_equal(got[4:], 0.0)  # all-equal rewards carry no signal

@@ -1,10 +1,16 @@
 """Reinforcement learning on the GLM-MoE model (docs/rl.md): the machinery GRPO and PPO share, and the two recipes.
 
+    config        RLConfig, the `rl` section both recipes are handed
+    base          RLRecipe, the shared recipe: the rollout loop, dynamic sampling, minibatches, reference log-probs,
+                  held-out accuracy, the data state; the seams each recipe fills (its step and its advantages)
+    prompts       the prompts files, their tokens, the tokenizer, the rewards: what every RL recipe reads
     rollout       G samples per prompt from glm46_jax.infer.generate (log-probs, recorded routing) -> training rows
     rewards       reward callables by name: exact numeric answer, think/answer format, code unit tests
     sandbox       the subprocess the code reward runs programs in (time, memory, no network, own directory)
     curriculum    the prompt pool: difficulty buckets by measured pass rate, moving to harder ones
     reward_model  a trained reward model as a reward: rollouts scored on the run's mesh
-    grpo/         group advantages, the clipped policy-gradient loss, the GRPO step and recipe
-    ppo/          a critic, GAE and the value loss, the joint policy + critic step, the PPO recipe
+    objective     the clipped policy-gradient loss and its aggregations, the k3 KL (both recipes' policy loss)
+    logprobs      the policy's log-probs of sampled completions with routing replay (both updates, the KL reference)
+    grpo/         group advantages, the GRPO update, the GRPO recipe
+    ppo/          the critic's objective (GAE, the value loss), the joint policy + critic update, the PPO recipe
 """

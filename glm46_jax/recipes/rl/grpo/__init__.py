@@ -1,6 +1,6 @@
-"""GRPO: reinforcement learning with group advantages on the GLM-MoE model (docs/rl.md).
+"""GRPO: the shared RL loop with group advantages in place of a critic (docs/rl.md).
 
-    objective   group advantages (grpo / drgrpo / rloo), the clipped policy-gradient loss, KL estimate
-    step        the jitted GRPO update (with routing replay)
-    recipe      the trainer.Recipe: rollouts, dynamic sampling, minibatches, held-out accuracy, checkpoints
+    objective   group advantages (grpo / drgrpo / rloo)
+    step        the jitted GRPO update (the shared clipped loss, the k3 KL, routing replay)
+    recipe      the GRPO recipe: rl.base.RLRecipe with group advantages, dynamic sampling and the GRPO update
 """

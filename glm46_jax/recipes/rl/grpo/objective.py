@@ -1,17 +1,12 @@
-"""The GRPO objective as pure functions: group advantages, the clipped policy-gradient loss, the KL estimate.
+"""GRPO's group advantages: each sample's reward measured against the other samples of its prompt.
 
     adv = advantages(rewards, group_size=8, estimator="grpo")          # [groups * G]
-    loss, stats = policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.28, aggregation="token")
 
 Definitions (docs/rl.md#the-objective): for a group of G samples of one prompt with rewards r,
   grpo    A_i = (r_i - mean(r)) / (std(r) + eps)       (population std: a one-sample group gets A = 0)
   drgrpo  A_i = r_i - mean(r)                          (Dr. GRPO: no std scaling)
   rloo    A_i = r_i - mean(r without r_i) = G / (G - 1) * (r_i - mean(r))   (0 for G = 1)
-The per-token loss is -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) with
-ratio = exp(logp - old_logp), aggregated over the completion tokens (mask) as
-  token     sum over all tokens / number of tokens (DAPO's token-level mean)
-  sequence  mean over sequences of each sequence's token mean (the original GRPO)
-  constant  sum over all tokens / (sequences * max_tokens) (Dr. GRPO: no length normalisation)
+They enter the clipped policy loss both RL recipes share (`rl.objective.policy_loss`), one per sequence.
 """
 
 from __future__ import annotations
@@ -20,7 +15,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 ESTIMATORS = ("grpo", "drgrpo", "rloo")
-AGGREGATIONS = ("token", "sequence", "constant")
 
 
 def advantages(rewards: Float[Array, "n"], group_size: int, estimator: str = "grpo",
@@ -37,43 +31,3 @@ def advantages(rewards: Float[Array, "n"], group_size: int, estimator: str = "gr
     else:
         adv = centred * (group_size / (group_size - 1)) if group_size > 1 else jnp.zeros_like(centred)
     return adv.reshape(-1)
-
-
-def aggregate(per_token: Float[Array, "b t"], mask: Float[Array, "b t"], aggregation: str,
-              max_tokens: int) -> Float[Array, ""]:
-    """One scalar from per-token values over the masked (completion) tokens; see the module docstring."""
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"loss aggregation {aggregation!r}: one of {AGGREGATIONS}")
-    mask = mask.astype(jnp.float32)
-    total = jnp.sum(per_token * mask)
-    if aggregation == "token":
-        return total / jnp.maximum(mask.sum(), 1.0)
-    if aggregation == "constant":
-        return total / (per_token.shape[0] * max_tokens)
-    count = mask.sum(axis=1)
-    per_seq = jnp.sum(per_token * mask, axis=1) / jnp.maximum(count, 1.0)
-    has = (count > 0).astype(jnp.float32)
-    return jnp.sum(per_seq * has) / jnp.maximum(has.sum(), 1.0)
-
-
-def policy_loss(logp: Float[Array, "b t"], old_logp: Float[Array, "b t"], adv: Float[Array, "b"] | Float[Array, "b t"],
-                mask: Float[Array, "b t"], *, clip_low: float, clip_high: float, aggregation: str = "token",
-                max_tokens: int = 1) -> tuple[Float[Array, ""], dict[str, Array]]:
-    """The clipped surrogate loss (to minimise) and its statistics: clip_frac (the share of tokens whose
-    clipped term is the active one, i.e. whose gradient is cut off) and ratio_mean, over masked tokens."""
-    mask = mask.astype(jnp.float32)
-    ratio = jnp.exp(logp - old_logp)
-    a = adv[:, None] if adv.ndim == 1 else adv  # per sequence (GRPO) or per token (PPO's GAE)
-    clipped_ratio = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    per_token = -jnp.minimum(ratio * a, clipped_ratio * a)
-    cut = ((ratio < 1.0 - clip_low) & (a < 0)) | ((ratio > 1.0 + clip_high) & (a > 0))
-    n = jnp.maximum(mask.sum(), 1.0)
-    stats = {"clip_frac": jnp.sum(cut * mask) / n, "ratio_mean": jnp.sum(ratio * mask) / n}
-    return aggregate(per_token, mask, aggregation, max_tokens), stats
-
-
-def kl_k3(logp: Float[Array, "b t"], ref_logp: Float[Array, "b t"]) -> Float[Array, "b t"]:
-    """Per-token KL(policy || reference) estimate exp(d) - d - 1 with d = ref_logp - logp (Schulman's k3:
-    unbiased on the policy's own samples, never negative)."""
-    d = ref_logp - logp
-    return jnp.exp(d) - d - 1.0

@@ -1,154 +1,42 @@
-"""GRPO as a recipe of the generic trainer: rollouts -> rewards -> group advantages -> several clipped updates.
+"""GRPO as a recipe of the generic trainer (docs/rl.md#the-grpo-recipe): the shared RL loop (`rl.base.RLRecipe`)
+with group advantages, dynamic sampling (rl.dynamic_sampling: groups whose rewards all agree are dropped and refilled
+from the pool) and the GRPO update (`step.make_grpo_step`).
 
-    recipe, state = recipe.build(run_cfg)        # mesh, policy weights (checkpoint.init_from), LoRA, optimizer
-    recipe.start(state, data_state)              # the prompt pool (and where a resumed run left it)
+    recipe, state = build(run_cfg)        # mesh, policy weights (checkpoint.init_from), LoRA, optimizer, prompts
+    recipe.start(state, data_state)       # the prompt pool (and where a resumed run left it)
     state, summary = trainer.fit(recipe, state, ...)
-
-One trainer step is one optimizer step on one minibatch. When the minibatches of the last rollout are used up,
-`next_input` samples the next rollout with the *current* policy (the state the trainer passes it: the weights
-the last step returned): `prompts_per_step` prompts from the pool (curriculum), `group_size`
-samples each with the project's generator (log-probs, and the experts every token went through for routing
-replay), rewards, and with dynamic sampling the groups whose rewards all agree are dropped and refilled from
-the pool. The kept groups' advantages are computed per group and their rows split into `minibatches`, each used
-`epochs` times. Held-out `eval/accuracy` is greedy exact-match (pass rate) on the held-out prompts
-(docs/rl.md#the-grpo-recipe).
-
-Checkpoints hold the policy, the optimizer, the pool (its pass-rate statistics, curriculum level and RNG) and
-the rollout count, so a run resumed at a rollout boundary continues bit-identically; checkpoint.every must be a
-multiple of the updates per rollout. A run stopped mid-rollout (preemption) resumes with the next rollout.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
-from flax import nnx
-from tokenizers import Tokenizer
 
-from glm46_jax import atomic
-from glm46_jax.errors import InputError
-from glm46_jax.interop import chat
-from glm46_jax.parallel import sharding
-from glm46_jax.recipes.base import RecipeBase, warn_random_start
-from glm46_jax.recipes.rl.grpo import objective
-from glm46_jax.recipes.rl.curriculum import CurriculumConfig, PromptPool
-from glm46_jax.interop.reward import check_reward_dir
-from glm46_jax.recipes.rl.reward_model import ModelScorer, check_same_tokenizer
-from glm46_jax.recipes.rl.rewards import Rewards
-from glm46_jax.recipes.rl.rollout import Rollout, Sampling, sample_groups, strip_stop, training_rows
-from glm46_jax.recipes.rl.grpo.step import StepSettings, completion_logprobs, make_grpo_step
-from glm46_jax.recipes.rl.config import RLConfig
-from glm46_jax.run_config import RunConfig
 from glm46_jax.recipes import models
-from glm46_jax.training import checkpoint
-from glm46_jax.training.step import TrainState, with_frozen
-from glm46_jax.training.trainer import Segment, StepInput
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutSegment(Segment):
-    """The run's one segment, with the latest rollout's metrics (`stats`), logged with the steps trained on it."""
-    stats: tuple[tuple[str, float], ...] = dataclasses.field(default=(), compare=False)
-
-
-def read_prompts(path: str) -> list[dict[str, Any]]:
-    """The prompts file (JSONL, docs/rl.md#prompt-files); a bad line is an InputError naming file:line."""
-    if not os.path.exists(path):
-        raise InputError(f"{path}: no such prompts file (set --config.rl.prompts / --config.rl.heldout; "
-                         "`python -m data_prep.rl_tasks` writes the demo's)")
-    items = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{number}: not JSON ({e})") from e
-            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
-                raise InputError(f"{path}:{number}: expected an object with a string 'prompt'")
-            items.append(item)
-    if not items:
-        raise InputError(f"{path}: no prompts")
-    return items
-
-
-def encode_prompts(tok: Tokenizer, items: Sequence[Mapping[str, Any]], rl: RLConfig, where: str) -> list[list[int]]:
-    out = []
-    for i, item in enumerate(items):
-        if rl.chat:
-            ids = chat.encode_prompt(tok, [{"role": "user", "content": item["prompt"]}], enable_thinking=False)
-        else:
-            ids = tok.encode(item["prompt"], add_special_tokens=False).ids
-        if not 0 < len(ids) <= rl.max_prompt_len:
-            raise InputError(f"{where}: prompt {i} is {len(ids)} tokens; rl.max_prompt_len={rl.max_prompt_len} "
-                             "(raise it, or shorten the prompt)")
-        out.append([int(t) for t in ids])
-    return out
-
-
-def _tokenizer_path(cfg: RunConfig) -> str:
-    if cfg.rl.tokenizer:
-        return cfg.rl.tokenizer
-    found = checkpoint.tokenizer_path(checkpoint.latest_checkpoint(cfg.checkpoint.init_from)) \
-        if cfg.checkpoint.init_from else None
-    if not found:
-        raise InputError("rl.tokenizer is empty and checkpoint.init_from has no tokenizer.json in its run dir; "
-                         "set --config.rl.tokenizer")
-    return found
-
-
-def _device_batch(batch: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
-    # Every process holds the whole rollout (the sampler's outputs are replicated); each device takes its rows.
-    out = {}
-    with jax.transfer_guard_host_to_device("allow"):
-        for k, v in batch.items():
-            layout = jax.NamedSharding(mesh, sharding.logical("batch", *([None] * (v.ndim - 1))))
-            out[k] = jax.make_array_from_callback(v.shape, layout, lambda index, v=v: v[index])
-    return out
+from glm46_jax.recipes.base import warn_random_start
+from glm46_jax.recipes.rl.base import RLRecipe, check_rl, model_scorer, policy_spec, reference_weights, rollout_batch
+from glm46_jax.recipes.rl.grpo import objective
+from glm46_jax.recipes.rl.grpo.step import StepSettings, make_grpo_step
+from glm46_jax.recipes.rl.prompts import rl_inputs
+from glm46_jax.run_config import RunConfig
+from glm46_jax.training.step import TrainState
+from glm46_jax.training.trainer import Segment
 
 
 @dataclasses.dataclass
-class GRPO(RecipeBase):
+class GRPO(RLRecipe):
     """The GRPO recipe (`trainer.Recipe`)."""
-    reference: nnx.State | None  # kl_coef > 0: the starting policy's trained weights
-    tok: Tokenizer
-    items: list[dict[str, Any]]
-    prompt_ids: list[list[int]]
-    heldout_items: list[dict[str, Any]]
-    heldout_ids: list[list[int]]
-    rewards: Rewards
-    stop_tokens: tuple[int, ...]
-    heldout_rewards: Rewards | None = None  # held-out accuracy's; None = `rewards`
-    scorer: ModelScorer | None = None  # the reward model, when `rewards` names it
-    pool: PromptPool | None = None
-    pending: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
-    stats: tuple[tuple[str, float], ...] = ()
-    rollouts_done: int = 0
-    tokens_seen: int = 0
-    start_accuracy: float | None = None
 
     @property
-    def rl(self) -> RLConfig:
-        return self.cfg.rl
-
-    @property
-    def global_rows(self) -> bool:
-        return True  # every process holds the whole rollout
-
-    @property
-    def seq_len(self) -> int:
-        return self.rl.max_prompt_len + self.rl.max_new_tokens
+    def dynamic_sampling(self) -> bool:
+        return self.rl.dynamic_sampling
 
     @property
     def settings(self) -> StepSettings:
@@ -156,36 +44,6 @@ class GRPO(RecipeBase):
         return StepSettings(clip_low=rl.clip_low, clip_high=rl.clip_high, aggregation=rl.aggregation,
                             max_tokens=rl.max_new_tokens, kl_coef=rl.kl_coef, temperature=rl.temperature,
                             routing_replay=rl.routing_replay)
-
-    def sampling(self, temperature: float) -> Sampling:
-        pad = self.cfg.model.pad_token_id or 0
-        return Sampling(max_new_tokens=self.rl.max_new_tokens, temperature=temperature, stop_tokens=self.stop_tokens,
-                        pad_id=pad, prompt_len=self.rl.max_prompt_len,
-                        record_routing=self.rl.routing_replay and temperature > 0)
-
-    @property
-    def dynamic_sampling(self) -> bool:
-        return self.rl.dynamic_sampling
-
-    def segment(self) -> RolloutSegment:
-        return RolloutSegment(f"{self.cfg.recipe}_{self.rl.method}", self.seq_len, self.stats)
-
-    def current_segment(self) -> RolloutSegment:
-        return self.segment()
-
-    def _policy_base(self) -> nnx.State | None:
-        """The policy's frozen weights (a LoRA run's base), None when it trains in full."""
-        frozen = (self.frozen or {}).get("policy")
-        return frozen.params if frozen is not None else None
-
-    def whole_params(self, params: nnx.State) -> nnx.State:
-        """The policy's whole parameters: the trained ones and, with LoRA, the frozen base."""
-        return with_frozen(params, self._policy_base())
-
-    # --- trainer.Recipe ----------------------------------------------------------------------
-
-    def tokenizer_source(self) -> str:
-        return _tokenizer_path(self.cfg)
 
     def steps_for(self, segment: Segment) -> Any:
         return self._grpo_step
@@ -195,227 +53,13 @@ class GRPO(RecipeBase):
         return make_grpo_step(self.main.graphdef, self.main.tx, self.settings, lr_schedule=self.main.lr_schedule,
                               name="policy")
 
-    def describe(self, segment: RolloutSegment) -> dict[str, float]:
-        return dict(segment.stats)
-
-    def extra_meta(self) -> dict[str, Any]:
-        return {"rl_method": self.rl.method, "rollouts": self.rollouts_done}
-
-    def extra_controls(self) -> dict[str, jax.Array]:
-        """Scalars a subclass's step reads besides max_loss (PPO: whether the policy trains yet)."""
-        return {}
-
-    def start(self, state: TrainState, data_state: Any | None = None) -> None:
-        rl = self.rl
-        difficulty = [int(it.get("difficulty", 0)) for it in self.items]
-        self.pool = PromptPool(len(self.items), difficulty, CurriculumConfig(
-            rl.curriculum_buckets, rl.curriculum_advance_at, rl.curriculum_ema), seed=self.cfg.train.seed)
-        self.pending, self.stats = [], ()
-        if data_state is not None:
-            self.restore_data_state(data_state)
-            self.pool.restore(data_state["pool"])
-            self.rollouts_done = int(data_state["rollouts"])
-            self.tokens_seen = int(data_state["tokens_seen"])
-            if data_state.get("pending"):
-                logging.warning("the checkpoint was saved mid-rollout; its %d remaining minibatch(es) are skipped and "
-                                "training goes on with a new rollout", data_state["pending"])
-        elif state is not None:
-            self.start_accuracy = self.held_out_accuracy(state)["accuracy"]
-            logging.info("held-out accuracy of the starting policy: %.3f", self.start_accuracy)
-
-    def next_input(self, state: TrainState, max_loss: float) -> StepInput:
-        with jax.transfer_guard("allow"):
-            if not self.pending:
-                self._rollout(state)
-            local = self.pending.pop(0)
-            batch = _device_batch(local, self.mesh)
-            if self.reference is not None and "ref_logprobs" not in batch:
-                batch["ref_logprobs"] = self._ref_logprobs(self.reference, state.buffers, batch)
-            controls = {"max_loss": jnp.float32(max_loss), **self.extra_controls()}
-        self.tokens_seen += int(local["inputs"].size)
-        data_state = {"pool": self.pool.state(), "rollouts": self.rollouts_done, "tokens_seen": self.tokens_seen,
-                      "pending": len(self.pending), **self.extra_data_state()}
-        return StepInput(self.segment(), batch, controls, self.tokens_seen, data_state)
-
-    @property
-    def heldout_count(self) -> int:
-        """How many held-out prompts `evaluate` scores (the first ones of `rl.heldout`): train.eval_batches
-        chunks of `rl.eval_batch`."""
-        return min(len(self.heldout_ids), self.cfg.train.eval_batches * self.rl.eval_batch)
-
-    def evaluate(self, state: TrainState, segment: Segment, controls: Any) -> dict[str, float]:
-        """Greedy generation is a prefill and a decode loop, not one program: eval/accuracy, eval/reward,
-        eval/response_len of `held_out_accuracy`."""
-        return {f"eval/{k}": v for k, v in self.held_out_accuracy(state).items()}
-
-    def finish(self, state: TrainState, step: int, run_dir: str, tokens_seen: int) -> str | None:
-        """Writes <run_dir>/heldout.json (held-out accuracy before and after); LoRA: also the merged weights."""
-        after = self.held_out_accuracy(state)
-        if jax.process_index() == 0:
-            atomic.write_json(os.path.join(run_dir, "heldout.json"),
-                              {"start_accuracy": self.start_accuracy, "end": after, "steps": step,
-                               "rollouts": self.rollouts_done, "problems": self.heldout_count})
-        logging.info("held-out accuracy %s -> %.3f", "n/a" if self.start_accuracy is None else
-                     f"{self.start_accuracy:.3f}", after["accuracy"])
-        return super().finish(state, step, run_dir, tokens_seen)
-
-    def close(self) -> None:
-        self.pending = []
-
-    def extra_data_state(self) -> dict[str, Any]:
-        """What a subclass adds to the data state a checkpoint holds (restored by `restore_data_state`)."""
-        return {}
-
-    def restore_data_state(self, data_state: Mapping[str, Any]) -> None:
-        pass
-
-    # --- rollouts --------------------------------------------------------------------------
-
-    def completions(self, rollout: Rollout) -> list[str]:
-        return [self.tok.decode(strip_stop(rollout.completion(i), self.stop_tokens), skip_special_tokens=False)
-                for i in range(len(rollout.prompts))]
-
-    def score(self, rollout: Rollout, items: Sequence[Mapping[str, Any]], rewards: Rewards | None = None
-              ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """(weighted total [n], each reward [n]) of a rollout: the text rewards and, if named, the reward model's."""
-        rewards = rewards or self.rewards
-        model_scores = self.scorer(rollout) if rewards.uses_model else None
-        return rewards.score(self.completions(rollout), items, model_scores)
-
-    def _rollout(self, state: TrainState) -> None:
-        rl, g = self.rl, self.rl.group_size
-        params = self.whole_params(state.params)
-        sampling = self.sampling(rl.temperature)
-        groups, sampled, seconds, new_tokens = [], [], 0.0, 0
-        rounds = 1 + (rl.max_refill_rounds if self.dynamic_sampling else 0)
-        t0 = time.perf_counter()
-        for round_index in range(rounds):
-            ids = self.pool.draw(rl.prompts_per_step)
-            seed = (self.cfg.train.seed * 1_000_003 + self.rollouts_done) * 101 + round_index
-            with sharding.use_mesh(self.mesh):
-                rollout = sample_groups(self.main.graphdef, params, state.buffers, [self.prompt_ids[i] for i in ids],
-                                        g, sampling, seed)
-            seconds += rollout.seconds
-            new_tokens += int(rollout.lengths.sum())
-            items = [self.items[i] for i in ids for _ in range(g)]
-            total, parts = self.score(rollout, items)
-            passed = (total >= rl.pass_threshold).astype(np.float32)
-            self.pool.record(ids, passed.reshape(-1, g).mean(axis=1), g)
-            for j in range(len(ids)):
-                rows = np.arange(j * g, (j + 1) * g)
-                groups.append((rollout, rows, total[rows], bool(total[rows].max() > total[rows].min())))
-            sampled.append((total, passed, rollout.lengths, parts))
-            if not self.dynamic_sampling or sum(inf for *_, inf in groups) >= rl.prompts_per_step:
-                break
-        # Informative groups first (in sampling order); short of them, all-agreeing ones keep the batch's shape.
-        kept = sorted(groups, key=lambda x: not x[3])[:rl.prompts_per_step]
-        rows = [training_rows(r, idx, self.seq_len, sampling.pad_id) for r, idx, _, _ in kept]
-        batch = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
-        batch, extra_stats = self.with_advantages(state, batch, np.concatenate([rw for _, _, rw, _ in kept]))
-        order = np.random.default_rng([self.cfg.train.seed, self.rollouts_done]).permutation(len(batch["inputs"]))
-        chunks = np.array_split(order, rl.minibatches)
-        self.pending = [{k: v[c] for k, v in batch.items()} for _ in range(rl.epochs) for c in chunks]
-        self.rollouts_done += 1
-        self.stats = self._rollout_stats(sampled, kept, len(groups), seconds, new_tokens,
-                                         time.perf_counter() - t0, len(sampled)) + tuple(extra_stats.items())
-
     def with_advantages(self, state: TrainState, batch: dict[str, np.ndarray], rewards: np.ndarray
                         ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-        """The rollout's training rows with what the step needs beyond them (GRPO: the group advantages), and
-        statistics of that for the log."""
+        """The rollout's rows with their group advantages (one per row)."""
         rl = self.rl
         batch["advantages"] = np.asarray(objective.advantages(jnp.asarray(rewards), rl.group_size, rl.advantage,
                                                               rl.adv_eps), np.float32)
         return batch, {}
-
-    def _rollout_stats(self, sampled, kept, num_groups, sample_s, new_tokens, rollout_s, rounds):
-        total = np.concatenate([t for t, *_ in sampled])
-        passed = np.concatenate([p for _, p, *_ in sampled])
-        lengths = np.concatenate([n for _, _, n, _ in sampled])
-        group_std = total.reshape(-1, self.rl.group_size).std(axis=1)
-        stats = {"reward_mean": float(total.mean()), "reward_std": float(total.std()),
-                 "group_reward_std": float(group_std.mean()), "pass_at_1": float(passed.mean()),
-                 "response_len": float(lengths.mean()), "kept_groups_frac": sum(k[3] for k in kept) / len(kept),
-                 "informative_groups_frac": float(np.mean(group_std > 0)), "rollout_rounds": float(rounds),
-                 "sampled_groups": float(num_groups), "rollout_s": rollout_s, "sampling_s": sample_s,
-                 "sampling_tokens_per_s": new_tokens / max(sample_s, 1e-9),
-                 "curriculum_level": float(self.pool.level), "rollouts": float(self.rollouts_done)}
-        for name in self.rewards.names:
-            stats[f"reward/{name}"] = float(np.concatenate([p[name] for *_, p in sampled]).mean())
-        return tuple(stats.items())
-
-    def _ref_logprobs(self, reference: nnx.State, buffers: nnx.State, batch: dict[str, jax.Array]) -> jax.Array:
-        fn = _reference_logprobs(self.main.graphdef, self.rl.temperature, self.rl.routing_replay)
-        with sharding.use_mesh(self.mesh):
-            return fn(reference, self._policy_base(), buffers, batch)
-
-    # --- held-out accuracy -------------------------------------------------------------------
-
-    def heldout_metrics(self, state: TrainState, ids: np.ndarray) -> dict[str, float]:
-        """Greedy completions of held-out prompts `ids`: accuracy (pass rate), mean reward, response length."""
-        with jax.transfer_guard("allow"), sharding.use_mesh(self.mesh):
-            params = self.whole_params(state.params)
-            rollout = sample_groups(self.main.graphdef, params, state.buffers, [self.heldout_ids[i] for i in ids], 1,
-                                    self.sampling(0.0), seed=0)
-        total, _ = self.score(rollout, [self.heldout_items[i] for i in ids], self.heldout_rewards)
-        return {"accuracy": float(np.mean(total >= self.rl.pass_threshold)), "reward": float(total.mean()),
-                "response_len": float(rollout.lengths.mean())}
-
-    def held_out_accuracy(self, state: TrainState) -> dict[str, float]:
-        """`heldout_metrics` over the first `heldout_count` held-out prompts in chunks of `rl.eval_batch`, averaged
-        per prompt."""
-        n, size = self.heldout_count, self.rl.eval_batch
-        results = [(len(ids), self.heldout_metrics(state, ids))
-                   for ids in (np.arange(i, min(i + size, n)) for i in range(0, n, size))]
-        n = sum(size for size, _ in results)
-        return {k: sum(size * r[k] for size, r in results) / n for k in results[0][1]}
-
-
-def check_rl(cfg: RunConfig) -> None:
-    """What every RL recipe needs of the run's settings."""
-    rl = cfg.rl
-    if cfg.checkpoint.every % rl.updates_per_rollout:
-        raise InputError(f"checkpoint.every={cfg.checkpoint.every} must be a multiple of the optimizer steps per "
-                         f"rollout ({rl.updates_per_rollout} = rl.minibatches x rl.epochs), so that checkpoints fall "
-                         "between rollouts and a resumed run continues exactly")
-    if cfg.model.moe_capacity_factor > 0:
-        raise InputError("model.moe_capacity_factor > 0: RL needs dropless routing (0), or the sampler's and the "
-                         "trainer's batches drop different tokens")
-
-
-def rl_inputs(cfg: RunConfig) -> dict[str, Any]:
-    """The prompts, their tokens, the stop tokens and the rewards: the `GRPO` fields every RL recipe reads."""
-    rl = cfg.rl
-    if "reward_model" in rl.rewards + rl.heldout_rewards:  # before anything is built: a wrong path fails at once
-        check_reward_dir(rl.reward_model)
-        check_same_tokenizer(rl.reward_model, _tokenizer_path(cfg))
-    tok = Tokenizer.from_file(_tokenizer_path(cfg))
-    items, heldout = read_prompts(rl.prompts), read_prompts(rl.heldout)
-    limits = dict(code_timeout_s=rl.code_timeout_s, code_memory_mb=rl.code_memory_mb)
-    heldout_rewards = None
-    if rl.heldout_rewards:
-        heldout_rewards = Rewards.from_names(rl.heldout_rewards, (1.0,) * len(rl.heldout_rewards), **limits)
-    return dict(tok=tok, items=items, prompt_ids=encode_prompts(tok, items, rl, rl.prompts), heldout_items=heldout,
-                heldout_ids=encode_prompts(tok, heldout, rl, rl.heldout),
-                rewards=Rewards.from_names(rl.rewards, rl.reward_weights, **limits),
-                stop_tokens=tuple(chat.stop_token_ids(tok)) if rl.chat else tuple(cfg.model.eos_token_id),
-                heldout_rewards=heldout_rewards)
-
-
-def rollout_batch(cfg: RunConfig) -> models.BatchShape:
-    rl = cfg.rl
-    return models.BatchShape("rl.prompts_per_step x rl.group_size / rl.minibatches",
-                             rl.prompts_per_step * rl.group_size // rl.minibatches,
-                             "rl.max_prompt_len + rl.max_new_tokens", rl.max_prompt_len + rl.max_new_tokens)
-
-
-def model_scorer(cfg: RunConfig, mesh: jax.sharding.Mesh) -> ModelScorer | None:
-    """The reward model when rl.rewards (or rl.heldout_rewards) names it, on the run's mesh."""
-    rl = cfg.rl
-    if "reward_model" not in rl.rewards + rl.heldout_rewards:
-        return None
-    return ModelScorer.load(rl.reward_model, mesh, policy_tokenizer=_tokenizer_path(cfg),
-                            pad_id=cfg.model.pad_token_id or 0, row_len=rl.max_prompt_len + rl.max_new_tokens)
 
 
 def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[GRPO, TrainState]:
@@ -423,17 +67,8 @@ def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
     rl = cfg.rl
     check_rl(cfg)
     inputs = rl_inputs(cfg)
-    # The KL reference is a copy of the starting weights, so they are read on a resume too.
-    spec = models.ModelSpec("policy", cfg.model, init_from=cfg.checkpoint.init_from,
-                            lora=cfg.lora if rl.method == "lora" else None, load_when_resuming=rl.kl_coef > 0)
+    spec = policy_spec(cfg)
     warn_random_start(spec, "reinforcement learning from")
     built = models.build(cfg, devices, [spec], [rollout_batch(cfg)])
-    reference = jax.tree.map(jnp.copy, built.state.params) if rl.kl_coef > 0 else None
     logging.info("%d GRPO steps (%d per rollout) on %s", cfg.total_steps, rl.updates_per_rollout, rl.prompts)
-    return GRPO(cfg, built, reference, scorer=model_scorer(cfg, built.mesh), **inputs), built.state
-
-
-@functools.cache  # one jitted function per (graphdef, settings): the next run in a process reuses it
-def _reference_logprobs(graphdef: nnx.GraphDef, temperature: float, routing_replay: bool) -> Callable:
-    return jax.jit(lambda p, fz, b, batch: completion_logprobs(with_frozen(p, fz), b, graphdef, batch, temperature,
-                                                              routing_replay)[0])
+    return GRPO(cfg, built, reference_weights(cfg, built), scorer=model_scorer(cfg, built.mesh), **inputs), built.state

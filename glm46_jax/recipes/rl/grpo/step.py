@@ -1,11 +1,11 @@
 """The jitted GRPO update: the policy's log-probs of the sampled completions (with the rollout's routing
-replayed), the clipped loss of `objective`, an optimizer step (docs/rl.md#the-update).
+replayed), the clipped loss of `rl.objective` on group advantages, an optimizer step (docs/rl.md#the-update).
 
     step = make_grpo_step(graphdef, tx, StepSettings(...), lr_schedule=schedule)
-    state, metrics = step(state, batch, controls, frozen)  # train_step.TrainState, donated
+    state, metrics = step(state, batch, controls, frozen)  # training.step.TrainState, donated
 
 Batches are `rollout.training_rows` plus "advantages" [b] (and "ref_logprobs" [b, s-1] with a KL term).
-The loss plugs into the one update step (`train_step.make_step`: the same TrainState, optimizer, non-finite skip
+The loss plugs into the one update step (`training.step.make_step`: the same TrainState, optimizer, non-finite skip
 and frozen weights for LoRA as pre-training's), so the generic trainer runs it; the correction biases stay.
 """
 
@@ -15,15 +15,13 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 from jaxtyping import Array, Float
 
-from glm46_jax.model import apply
-from glm46_jax.recipes.rl.grpo import objective
-from glm46_jax.training.loss import nll_and_lse
+from glm46_jax.recipes.rl import objective
+from glm46_jax.recipes.rl.logprobs import completion_logprobs, like
 from glm46_jax.training.step import make_step
 
 
@@ -36,28 +34,6 @@ class StepSettings:
     kl_coef: float = 0.0
     temperature: float = 1.0  # the sampler's: log-probs are of the tempered distribution it sampled from
     routing_replay: bool = True
-
-
-def completion_logprobs(params: nnx.State, buffers: nnx.State, graphdef: nnx.GraphDef, batch: dict[str, Array],
-                        temperature: float = 1.0, routing_replay: bool = True
-                        ) -> tuple[Float[Array, "b t"], Float[Array, "b t"], Float[Array, "b s"] | None]:
-    """(log p(inputs[:, t+1] | inputs[:, :t+1]) [b, s-1], the policy's entropy there [b, s-1], and with replay the
-    per-position share of MoE layers whose own choice differs from the replayed one [b, s]), fp32."""
-    expert_ids = None
-    if routing_replay and "expert_ids" in batch:
-        expert_ids = jnp.transpose(batch["expert_ids"], (2, 0, 1, 3))  # [layers, b, s, k], scanned per layer
-    out = apply(graphdef, params, buffers, batch["inputs"], with_mtp=False, expert_ids=expert_ids)
-    logits = out.logits[:, :-1].astype(jnp.float32) / temperature
-    nll, lse = nll_and_lse(logits, batch["inputs"][:, 1:])  # no gather along the (sharded) vocab
-    entropy = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
-    differs = out.aux["replay_differs"].mean(axis=0) if expert_ids is not None else None
-    return -nll, entropy, differs
-
-
-def like(x: Array, ref: Array) -> Array:
-    # Batch arrays arrive in the loader's layout; Explicit sharding mode wants operands laid out alike.
-    layout = jax.typeof(ref).sharding
-    return x if layout.mesh.empty else jax.sharding.reshard(x, layout)
 
 
 def grpo_loss(params: nnx.State, buffers: nnx.State, batch: dict[str, Array], graphdef: nnx.GraphDef,
@@ -92,8 +68,8 @@ def grpo_loss(params: nnx.State, buffers: nnx.State, batch: dict[str, Array], gr
 def make_grpo_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, settings: StepSettings, *,
                    lr_schedule: optax.Schedule | None = None, name: str = "policy") -> Callable:
     """step(state, batch, controls[, frozen]) -> (state, metrics): `grpo_loss` in the one update step
-    (`train_step.make_step`: the spike / non-finite skip, the lr metric); the correction biases are not moved.
-    `frozen` ({name: FrozenModel(base)} for LoRA) as in `train_step.make_train_step`."""
+    (`training.step.make_step`: the spike / non-finite skip, the lr metric); the correction biases are not moved.
+    `frozen` ({name: FrozenModel(base)} for LoRA) as in `training.step.make_train_step`."""
 
     def loss(params, buffers, batch, ctx):
         return grpo_loss(params[name], buffers[name], batch, graphdef, settings)

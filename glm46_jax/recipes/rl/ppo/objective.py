@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from glm46_jax.recipes.rl.grpo.objective import kl_k3
+from glm46_jax.recipes.rl.objective import kl_k3
 
 KL_KINDS = ("k1", "k3", "abs", "mse")
 
@@ -44,7 +44,7 @@ def _float(x: Array) -> Array:
 
 def kl_penalty(logp: Float[Array, "b t"], ref_logp: Float[Array, "b t"], kind: str = "k1") -> Float[Array, "b t"]:
     """Per-token KL(policy || reference) estimate on the policy's own samples, d = logp - ref_logp:
-    k1 d (unbiased, can be negative), k3 exp(-d) + d - 1 (grpo.objective.kl_k3), abs |d|, mse d^2 / 2 (k2)."""
+    k1 d (unbiased, can be negative), k3 exp(-d) + d - 1 (rl.objective.kl_k3), abs |d|, mse d^2 / 2 (k2)."""
     if kind not in KL_KINDS:
         raise ValueError(f"KL estimator {kind!r}: one of {KL_KINDS}")
     if kind == "k3":

@@ -1,7 +1,7 @@
-"""PPO as a recipe of the generic trainer: GRPO's rollouts (sampler, routing replay, rewards, the prompt pool, the
-refresh after each update) with a critic in place of group baselines (docs/rl.md#ppo).
+"""PPO as a recipe of the generic trainer: the shared RL loop (`rl.base.RLRecipe`: sampler, routing replay, rewards,
+the prompt pool, the refresh after each update) with a critic in place of group baselines (docs/rl.md#ppo).
 
-    recipe, state = recipe.build(run_cfg)     # policy (checkpoint.init_from), critic (ppo.critic_init), reference
+    recipe, state = build(run_cfg)            # policy (checkpoint.init_from), critic (ppo.critic_init), reference
     recipe.start(state, data_state)
     state, summary = trainer.fit(recipe, state, ...)
 
@@ -28,22 +28,24 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from glm46_jax.errors import InputError
 from glm46_jax.config import RUNTIME_FIELDS, model_config_from_dict
+from glm46_jax.errors import InputError
 from glm46_jax.parallel import sharding
 from glm46_jax.recipes import models
 from glm46_jax.recipes.base import warn_random_start
-from glm46_jax.recipes.rl.grpo.recipe import GRPO, _device_batch, check_rl, model_scorer, rl_inputs, rollout_batch
+from glm46_jax.recipes.rl.base import (RLRecipe, check_rl, device_batch, model_scorer, policy_spec, reference_weights,
+                                       rollout_batch)
 from glm46_jax.recipes.rl.ppo import objective
 from glm46_jax.recipes.rl.ppo.config import PPOConfig
 from glm46_jax.recipes.rl.ppo.step import PPOSettings, make_ppo_step, values_fn
+from glm46_jax.recipes.rl.prompts import rl_inputs
 from glm46_jax.run_config import RunConfig
 from glm46_jax.training import checkpoint
 from glm46_jax.training.step import TrainState, with_frozen
 
 
 @dataclasses.dataclass
-class PPO(GRPO):
+class PPO(RLRecipe):
     """The PPO recipe (`trainer.Recipe`)."""
     moments: objective.RunningMoments = dataclasses.field(default_factory=objective.RunningMoments)
 
@@ -79,14 +81,15 @@ class PPO(GRPO):
     def extra_meta(self) -> dict[str, Any]:
         return {**super().extra_meta(), "ppo": dataclasses.asdict(self.ppo)}
 
-    def extra_controls(self) -> dict[str, jax.Array]:
+    def controls(self, max_loss: float) -> dict[str, jax.Array]:
         # the rollout now being trained on is number rollouts_done (1-based); the policy waits for the critic
-        return {"policy_weight": jnp.float32(self.rollouts_done > self.ppo.critic_warmup)}
+        return {**super().controls(max_loss), "policy_weight": jnp.float32(self.rollouts_done > self.ppo.critic_warmup)}
 
-    def extra_data_state(self) -> dict[str, Any]:
-        return {"reward_moments": self.moments.to_dict()}
+    def data_state(self) -> dict[str, Any]:
+        return {**super().data_state(), "reward_moments": self.moments.to_dict()}
 
     def restore_data_state(self, data_state: Mapping[str, Any]) -> None:
+        super().restore_data_state(data_state)
         self.moments = objective.RunningMoments.from_dict(data_state["reward_moments"])
 
     def with_advantages(self, state: TrainState, batch: dict[str, np.ndarray], rewards: np.ndarray
@@ -95,11 +98,11 @@ class PPO(GRPO):
         rl, ppo = self.rl, self.ppo
         critic = state.others["critic"]
         with jax.transfer_guard("allow"), sharding.use_mesh(self.mesh):
-            device = _device_batch(batch, self.mesh)
+            device = device_batch(batch, self.mesh)
             frozen = self.frozen.get("critic") if self.frozen else None
             values = self._values(with_frozen(critic.params, frozen.params if frozen else None), critic.buffers,
                                   device["inputs"])
-            ref = self._ref_logprobs(self.reference, state.buffers, device) if self.reference is not None else None
+            ref = self.ref_logprobs(state.buffers, device) if self.reference is not None else None
             values, ref = jax.device_get((values, ref))
         mask, old = batch["completion_mask"], batch["old_logprobs"]
         scores = rewards.astype(np.float64)
@@ -167,12 +170,10 @@ def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
     rl = cfg.rl
     check_rl(cfg)
     inputs = rl_inputs(cfg)
-    policy = models.ModelSpec("policy", cfg.model, init_from=cfg.checkpoint.init_from,
-                              lora=cfg.lora if rl.method == "lora" else None, load_when_resuming=rl.kl_coef > 0)
+    policy = policy_spec(cfg)
     warn_random_start(policy, "PPO from")
     critic = critic_spec(cfg)
     built = models.build(cfg, devices, [policy, critic], [rollout_batch(cfg)])
-    reference = jax.tree.map(lambda x: x.copy(), built.state.params) if rl.kl_coef > 0 else None
     logging.info("%d PPO steps (%d per rollout) on %s; critic from %s", cfg.total_steps, rl.updates_per_rollout,
                  rl.prompts, critic.init_from or "a random init")
-    return PPO(cfg, built, reference, scorer=model_scorer(cfg, built.mesh), **inputs), built.state
+    return PPO(cfg, built, reference_weights(cfg, built), scorer=model_scorer(cfg, built.mesh), **inputs), built.state

@@ -1,9 +1,9 @@
 """The jitted PPO update of the policy and the critic together (docs/rl.md#ppo).
 
     step = make_ppo_step(policy_graphdef, critic_graphdef, {"policy": tx, "critic": tx_c}, settings)
-    state, metrics = step(state, batch, controls, frozen)    # train_step.TrainState: policy inline, critic in others
+    state, metrics = step(state, batch, controls, frozen)    # training.step.TrainState: policy inline, critic in others
 
-A batch is GRPO's rollout rows (rollout.training_rows) plus [b, s-1] "advantages" (GAE, per token), "returns" and
+A batch is the rollout's rows (rollout.training_rows) plus [b, s-1] "advantages" (GAE, per token), "returns" and
 "old_values" (the critic's values at the rollout), and "ref_logprobs" with a k3 KL. The loss is
     clipped policy loss - entropy_coef * entropy (+ kl_coef * k3) + vf_coef * clipped value loss;
 the policy's parameters reach only the first terms and the critic's only the last, so one `make_step` with each
@@ -23,8 +23,8 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from glm46_jax.model import apply
-from glm46_jax.recipes.rl.grpo import objective as grpo_objective
-from glm46_jax.recipes.rl.grpo.step import completion_logprobs, like
+from glm46_jax.recipes.rl import objective as policy_objective
+from glm46_jax.recipes.rl.logprobs import completion_logprobs, like
 from glm46_jax.recipes.rl.ppo import objective
 from glm46_jax.training.step import make_step
 
@@ -58,7 +58,7 @@ def ppo_loss(params: dict[str, nnx.State], buffers: dict[str, nnx.State], batch:
                                                  settings.temperature, settings.routing_replay)
     mask, old = like(batch["completion_mask"], logp), like(batch["old_logprobs"], logp)
     adv = like(batch["advantages"], logp)
-    pg, stats = grpo_objective.policy_loss(logp, old, adv, mask, clip_low=settings.clip_low,
+    pg, stats = policy_objective.policy_loss(logp, old, adv, mask, clip_low=settings.clip_low,
                                            clip_high=settings.clip_high, aggregation="token")
     n = jnp.maximum(mask.sum(), 1.0)
     token_mean = lambda x: jnp.sum(x * mask) / n  # noqa: E731
@@ -67,7 +67,7 @@ def ppo_loss(params: dict[str, nnx.State], buffers: dict[str, nnx.State], batch:
     metrics = {"pg_loss": pg, "entropy": ent, "ce": -token_mean(logp), "logprob_diff": token_mean(jnp.abs(logp - old)),
                "completion_tokens": mask.sum(), **stats}
     if settings.kl_in_loss and settings.kl_coef > 0:
-        kl = token_mean(grpo_objective.kl_k3(logp, like(batch["ref_logprobs"], logp)))
+        kl = token_mean(policy_objective.kl_k3(logp, like(batch["ref_logprobs"], logp)))
         policy_loss = policy_loss + settings.kl_coef * kl
         metrics["kl"] = kl
     values = critic_values(params["critic"], buffers["critic"], critic, batch["inputs"])

@@ -1,0 +1,353 @@
+"""What GRPO and PPO share as recipes of the generic trainer: `RLRecipe`, the loop rollouts -> rewards -> advantages
+-> several clipped updates around the two seams each recipe fills, its step (`steps_for`) and its advantages
+(`with_advantages`) (docs/rl.md#the-grpo-recipe).
+
+    recipe, state = grpo.recipe.build(run_cfg)   # (or ppo.recipe.build) mesh, policy weights, LoRA, optimizer
+    recipe.start(state, data_state)              # the prompt pool (and where a resumed run left it)
+    state, summary = trainer.fit(recipe, state, ...)
+
+One trainer step is one optimizer step on one minibatch. When the minibatches of the last rollout are used up,
+`next_input` samples the next rollout with the *current* policy (the state the trainer passes it: the weights
+the last step returned): `prompts_per_step` prompts from the pool (curriculum), `group_size` samples each with the
+project's generator (log-probs, and the experts every token went through for routing replay), rewards, and with
+dynamic sampling the groups whose rewards all agree are dropped and refilled from the pool. The recipe's
+`with_advantages` adds what its step needs to the kept rows, which are split into `minibatches`, each used `epochs`
+times. Held-out `eval/accuracy` is greedy exact-match (pass rate) on the held-out prompts.
+
+Checkpoints hold the policy, the optimizer, the pool (its pass-rate statistics, curriculum level and RNG) and the
+rollout count (`data_state`; a recipe adds its own), so a run resumed at a rollout boundary continues
+bit-identically; checkpoint.every must be a multiple of the updates per rollout. A run stopped mid-rollout
+(preemption) resumes with the next rollout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+from tokenizers import Tokenizer
+
+from glm46_jax import atomic
+from glm46_jax.errors import InputError
+from glm46_jax.parallel import sharding
+from glm46_jax.recipes import models
+from glm46_jax.recipes.base import RecipeBase
+from glm46_jax.recipes.rl.config import RLConfig
+from glm46_jax.recipes.rl.curriculum import CurriculumConfig, PromptPool
+from glm46_jax.recipes.rl.logprobs import reference_logprobs
+from glm46_jax.recipes.rl.prompts import tokenizer_path
+from glm46_jax.recipes.rl.reward_model import ModelScorer
+from glm46_jax.recipes.rl.rewards import Rewards
+from glm46_jax.recipes.rl.rollout import Rollout, Sampling, sample_groups, strip_stop, training_rows
+from glm46_jax.run_config import RunConfig
+from glm46_jax.training.step import TrainState, with_frozen
+from glm46_jax.training.trainer import Segment, StepInput
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSegment(Segment):
+    """The run's one segment, with the latest rollout's metrics (`stats`), logged with the steps trained on it."""
+    stats: tuple[tuple[str, float], ...] = dataclasses.field(default=(), compare=False)
+
+
+def device_batch(batch: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+    """Rollout rows as global arrays on the mesh, split along the batch axes."""
+    # Every process holds the whole rollout (the sampler's outputs are replicated); each device takes its rows.
+    out = {}
+    with jax.transfer_guard_host_to_device("allow"):
+        for k, v in batch.items():
+            layout = jax.NamedSharding(mesh, sharding.logical("batch", *([None] * (v.ndim - 1))))
+            out[k] = jax.make_array_from_callback(v.shape, layout, lambda index, v=v: v[index])
+    return out
+
+
+@dataclasses.dataclass
+class RLRecipe(RecipeBase):
+    """The shared half of the RL recipes (`trainer.Recipe`); a recipe brings `steps_for`, `with_advantages` and
+    `dynamic_sampling`, and may add to `controls`, `data_state` / `restore_data_state` and `extra_meta`."""
+    reference: nnx.State | None  # kl_coef > 0: the starting policy's trained weights
+    tok: Tokenizer
+    items: list[dict[str, Any]]
+    prompt_ids: list[list[int]]
+    heldout_items: list[dict[str, Any]]
+    heldout_ids: list[list[int]]
+    rewards: Rewards
+    stop_tokens: tuple[int, ...]
+    heldout_rewards: Rewards | None = None  # held-out accuracy's; None = `rewards`
+    scorer: ModelScorer | None = None  # the reward model, when `rewards` names it
+    pool: PromptPool | None = None
+    pending: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
+    stats: tuple[tuple[str, float], ...] = ()
+    rollouts_done: int = 0
+    tokens_seen: int = 0
+    start_accuracy: float | None = None
+
+    # --- the seams: what each recipe brings ----------------------------------------------------
+
+    @property
+    def dynamic_sampling(self) -> bool:
+        """Whether groups whose rewards all agree are dropped and refilled from the pool."""
+        raise NotImplementedError
+
+    def steps_for(self, segment: Segment) -> Any:
+        raise NotImplementedError
+
+    def with_advantages(self, state: TrainState, batch: dict[str, np.ndarray], rewards: np.ndarray
+                        ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """The rollout's training rows with what the recipe's step needs beyond them (at least "advantages"), and
+        statistics of that for the log."""
+        raise NotImplementedError
+
+    # --- shared --------------------------------------------------------------------------------
+
+    @property
+    def rl(self) -> RLConfig:
+        return self.cfg.rl
+
+    @property
+    def global_rows(self) -> bool:
+        return True  # every process holds the whole rollout
+
+    @property
+    def seq_len(self) -> int:
+        return self.rl.max_prompt_len + self.rl.max_new_tokens
+
+    def sampling(self, temperature: float) -> Sampling:
+        pad = self.cfg.model.pad_token_id or 0
+        return Sampling(max_new_tokens=self.rl.max_new_tokens, temperature=temperature, stop_tokens=self.stop_tokens,
+                        pad_id=pad, prompt_len=self.rl.max_prompt_len,
+                        record_routing=self.rl.routing_replay and temperature > 0)
+
+    def segment(self) -> RolloutSegment:
+        return RolloutSegment(f"{self.cfg.recipe}_{self.rl.method}", self.seq_len, self.stats)
+
+    def current_segment(self) -> RolloutSegment:
+        return self.segment()
+
+    def _policy_base(self) -> nnx.State | None:
+        """The policy's frozen weights (a LoRA run's base), None when it trains in full."""
+        frozen = (self.frozen or {}).get("policy")
+        return frozen.params if frozen is not None else None
+
+    def whole_params(self, params: nnx.State) -> nnx.State:
+        """The policy's whole parameters: the trained ones and, with LoRA, the frozen base."""
+        return with_frozen(params, self._policy_base())
+
+    def tokenizer_source(self) -> str:
+        return tokenizer_path(self.cfg)
+
+    def describe(self, segment: RolloutSegment) -> dict[str, float]:
+        return dict(segment.stats)
+
+    def extra_meta(self) -> dict[str, Any]:
+        return {"rl_method": self.rl.method, "rollouts": self.rollouts_done}
+
+    def start(self, state: TrainState, data_state: Any | None = None) -> None:
+        rl = self.rl
+        difficulty = [int(it.get("difficulty", 0)) for it in self.items]
+        self.pool = PromptPool(len(self.items), difficulty, CurriculumConfig(
+            rl.curriculum_buckets, rl.curriculum_advance_at, rl.curriculum_ema), seed=self.cfg.train.seed)
+        self.pending, self.stats = [], ()
+        if data_state is not None:
+            self.restore_data_state(data_state)
+        elif state is not None:
+            self.start_accuracy = self.held_out_accuracy(state)["accuracy"]
+            logging.info("held-out accuracy of the starting policy: %.3f", self.start_accuracy)
+
+    def data_state(self) -> dict[str, Any]:
+        """What a checkpoint holds of where the run is (JSON-able): the pool, the rollout count, the tokens seen."""
+        return {"pool": self.pool.state(), "rollouts": self.rollouts_done, "tokens_seen": self.tokens_seen,
+                "pending": len(self.pending)}
+
+    def restore_data_state(self, data_state: Mapping[str, Any]) -> None:
+        self.pool.restore(data_state["pool"])
+        self.rollouts_done = int(data_state["rollouts"])
+        self.tokens_seen = int(data_state["tokens_seen"])
+        if data_state.get("pending"):
+            logging.warning("the checkpoint was saved mid-rollout; its %d remaining minibatch(es) are skipped and "
+                            "training goes on with a new rollout", data_state["pending"])
+
+    def controls(self, max_loss: float) -> dict[str, jax.Array]:
+        """The scalars the step reads."""
+        return {"max_loss": jnp.float32(max_loss)}
+
+    def next_input(self, state: TrainState, max_loss: float) -> StepInput:
+        with jax.transfer_guard("allow"):
+            if not self.pending:
+                self.next_rollout(state)
+            local = self.pending.pop(0)
+            batch = device_batch(local, self.mesh)
+            if self.reference is not None and "ref_logprobs" not in batch:
+                batch["ref_logprobs"] = self.ref_logprobs(state.buffers, batch)
+            controls = self.controls(max_loss)
+        self.tokens_seen += int(local["inputs"].size)
+        return StepInput(self.segment(), batch, controls, self.tokens_seen, self.data_state())
+
+    @property
+    def heldout_count(self) -> int:
+        """How many held-out prompts `evaluate` scores (the first ones of `rl.heldout`): train.eval_batches
+        chunks of `rl.eval_batch`."""
+        return min(len(self.heldout_ids), self.cfg.train.eval_batches * self.rl.eval_batch)
+
+    def evaluate(self, state: TrainState, segment: Segment, controls: Any) -> dict[str, float]:
+        """Greedy generation is a prefill and a decode loop, not one program: eval/accuracy, eval/reward,
+        eval/response_len of `held_out_accuracy`."""
+        return {f"eval/{k}": v for k, v in self.held_out_accuracy(state).items()}
+
+    def finish(self, state: TrainState, step: int, run_dir: str, tokens_seen: int) -> str | None:
+        """Writes <run_dir>/heldout.json (held-out accuracy before and after); LoRA: also the merged weights."""
+        after = self.held_out_accuracy(state)
+        if jax.process_index() == 0:
+            atomic.write_json(os.path.join(run_dir, "heldout.json"),
+                              {"start_accuracy": self.start_accuracy, "end": after, "steps": step,
+                               "rollouts": self.rollouts_done, "problems": self.heldout_count})
+        logging.info("held-out accuracy %s -> %.3f", "n/a" if self.start_accuracy is None else
+                     f"{self.start_accuracy:.3f}", after["accuracy"])
+        return super().finish(state, step, run_dir, tokens_seen)
+
+    def close(self) -> None:
+        self.pending = []
+
+    # --- rollouts --------------------------------------------------------------------------
+
+    def completions(self, rollout: Rollout) -> list[str]:
+        return [self.tok.decode(strip_stop(rollout.completion(i), self.stop_tokens), skip_special_tokens=False)
+                for i in range(len(rollout.prompts))]
+
+    def score(self, rollout: Rollout, items: Sequence[Mapping[str, Any]], rewards: Rewards | None = None
+              ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(weighted total [n], each reward [n]) of a rollout: the text rewards and, if named, the reward model's."""
+        rewards = rewards or self.rewards
+        model_scores = self.scorer(rollout) if rewards.uses_model else None
+        return rewards.score(self.completions(rollout), items, model_scores)
+
+    def next_rollout(self, state: TrainState) -> None:
+        """Samples and scores the next rollout with the policy in `state`, and queues its minibatches."""
+        rl, g = self.rl, self.rl.group_size
+        params = self.whole_params(state.params)
+        sampling = self.sampling(rl.temperature)
+        groups, sampled, seconds, new_tokens = [], [], 0.0, 0
+        rounds = 1 + (rl.max_refill_rounds if self.dynamic_sampling else 0)
+        t0 = time.perf_counter()
+        for round_index in range(rounds):
+            ids = self.pool.draw(rl.prompts_per_step)
+            seed = (self.cfg.train.seed * 1_000_003 + self.rollouts_done) * 101 + round_index
+            with sharding.use_mesh(self.mesh):
+                rollout = sample_groups(self.main.graphdef, params, state.buffers, [self.prompt_ids[i] for i in ids],
+                                        g, sampling, seed)
+            seconds += rollout.seconds
+            new_tokens += int(rollout.lengths.sum())
+            items = [self.items[i] for i in ids for _ in range(g)]
+            total, parts = self.score(rollout, items)
+            passed = (total >= rl.pass_threshold).astype(np.float32)
+            self.pool.record(ids, passed.reshape(-1, g).mean(axis=1), g)
+            for j in range(len(ids)):
+                rows = np.arange(j * g, (j + 1) * g)
+                groups.append((rollout, rows, total[rows], bool(total[rows].max() > total[rows].min())))
+            sampled.append((total, passed, rollout.lengths, parts))
+            if not self.dynamic_sampling or sum(inf for *_, inf in groups) >= rl.prompts_per_step:
+                break
+        # Informative groups first (in sampling order); short of them, all-agreeing ones keep the batch's shape.
+        kept = sorted(groups, key=lambda x: not x[3])[:rl.prompts_per_step]
+        rows = [training_rows(r, idx, self.seq_len, sampling.pad_id) for r, idx, _, _ in kept]
+        batch = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+        batch, extra_stats = self.with_advantages(state, batch, np.concatenate([rw for _, _, rw, _ in kept]))
+        order = np.random.default_rng([self.cfg.train.seed, self.rollouts_done]).permutation(len(batch["inputs"]))
+        chunks = np.array_split(order, rl.minibatches)
+        self.pending = [{k: v[c] for k, v in batch.items()} for _ in range(rl.epochs) for c in chunks]
+        self.rollouts_done += 1
+        self.stats = self._rollout_stats(sampled, kept, len(groups), seconds, new_tokens,
+                                         time.perf_counter() - t0, len(sampled)) + tuple(extra_stats.items())
+
+    def _rollout_stats(self, sampled, kept, num_groups, sample_s, new_tokens, rollout_s, rounds):
+        total = np.concatenate([t for t, *_ in sampled])
+        passed = np.concatenate([p for _, p, *_ in sampled])
+        lengths = np.concatenate([n for _, _, n, _ in sampled])
+        group_std = total.reshape(-1, self.rl.group_size).std(axis=1)
+        stats = {"reward_mean": float(total.mean()), "reward_std": float(total.std()),
+                 "group_reward_std": float(group_std.mean()), "pass_at_1": float(passed.mean()),
+                 "response_len": float(lengths.mean()), "kept_groups_frac": sum(k[3] for k in kept) / len(kept),
+                 "informative_groups_frac": float(np.mean(group_std > 0)), "rollout_rounds": float(rounds),
+                 "sampled_groups": float(num_groups), "rollout_s": rollout_s, "sampling_s": sample_s,
+                 "sampling_tokens_per_s": new_tokens / max(sample_s, 1e-9),
+                 "curriculum_level": float(self.pool.level), "rollouts": float(self.rollouts_done)}
+        for name in self.rewards.names:
+            stats[f"reward/{name}"] = float(np.concatenate([p[name] for *_, p in sampled]).mean())
+        return tuple(stats.items())
+
+    def ref_logprobs(self, buffers: nnx.State, batch: dict[str, jax.Array]) -> jax.Array:
+        """The KL reference's log-probs of a batch's completions (rl.kl_coef > 0)."""
+        fn = reference_logprobs(self.main.graphdef, self.rl.temperature, self.rl.routing_replay)
+        with sharding.use_mesh(self.mesh):
+            return fn(self.reference, self._policy_base(), buffers, batch)
+
+    # --- held-out accuracy -------------------------------------------------------------------
+
+    def heldout_metrics(self, state: TrainState, ids: np.ndarray) -> dict[str, float]:
+        """Greedy completions of held-out prompts `ids`: accuracy (pass rate), mean reward, response length."""
+        with jax.transfer_guard("allow"), sharding.use_mesh(self.mesh):
+            params = self.whole_params(state.params)
+            rollout = sample_groups(self.main.graphdef, params, state.buffers, [self.heldout_ids[i] for i in ids], 1,
+                                    self.sampling(0.0), seed=0)
+        total, _ = self.score(rollout, [self.heldout_items[i] for i in ids], self.heldout_rewards)
+        return {"accuracy": float(np.mean(total >= self.rl.pass_threshold)), "reward": float(total.mean()),
+                "response_len": float(rollout.lengths.mean())}
+
+    def held_out_accuracy(self, state: TrainState) -> dict[str, float]:
+        """`heldout_metrics` over the first `heldout_count` held-out prompts in chunks of `rl.eval_batch`, averaged
+        per prompt."""
+        n, size = self.heldout_count, self.rl.eval_batch
+        results = [(len(ids), self.heldout_metrics(state, ids))
+                   for ids in (np.arange(i, min(i + size, n)) for i in range(0, n, size))]
+        n = sum(size for size, _ in results)
+        return {k: sum(size * r[k] for size, r in results) / n for k in results[0][1]}
+
+
+# --- building: what both recipes' `build` do -----------------------------------------------------
+
+def check_rl(cfg: RunConfig) -> None:
+    """What every RL recipe needs of the run's settings."""
+    rl = cfg.rl
+    if cfg.checkpoint.every % rl.updates_per_rollout:
+        raise InputError(f"checkpoint.every={cfg.checkpoint.every} must be a multiple of the optimizer steps per "
+                         f"rollout ({rl.updates_per_rollout} = rl.minibatches x rl.epochs), so that checkpoints fall "
+                         "between rollouts and a resumed run continues exactly")
+    if cfg.model.moe_capacity_factor > 0:
+        raise InputError("model.moe_capacity_factor > 0: RL needs dropless routing (0), or the sampler's and the "
+                         "trainer's batches drop different tokens")
+
+
+def policy_spec(cfg: RunConfig) -> models.ModelSpec:
+    """The policy: checkpoint.init_from's weights, adapters with rl.method=lora. The KL reference is a copy of the
+    starting weights, so with rl.kl_coef > 0 they are read on a resume too."""
+    return models.ModelSpec("policy", cfg.model, init_from=cfg.checkpoint.init_from,
+                            lora=cfg.lora if cfg.rl.method == "lora" else None, load_when_resuming=cfg.rl.kl_coef > 0)
+
+
+def reference_weights(cfg: RunConfig, built: models.Built) -> nnx.State | None:
+    """The KL reference (rl.kl_coef > 0): a copy of the policy's starting trained weights."""
+    return jax.tree.map(jnp.copy, built.state.params) if cfg.rl.kl_coef > 0 else None
+
+
+def rollout_batch(cfg: RunConfig) -> models.BatchShape:
+    rl = cfg.rl
+    return models.BatchShape("rl.prompts_per_step x rl.group_size / rl.minibatches",
+                             rl.prompts_per_step * rl.group_size // rl.minibatches,
+                             "rl.max_prompt_len + rl.max_new_tokens", rl.max_prompt_len + rl.max_new_tokens)
+
+
+def model_scorer(cfg: RunConfig, mesh: jax.sharding.Mesh) -> ModelScorer | None:
+    """The reward model when rl.rewards (or rl.heldout_rewards) names it, on the run's mesh."""
+    rl = cfg.rl
+    if "reward_model" not in rl.rewards + rl.heldout_rewards:
+        return None
+    return ModelScorer.load(rl.reward_model, mesh, policy_tokenizer=tokenizer_path(cfg),
+                            pad_id=cfg.model.pad_token_id or 0, row_len=rl.max_prompt_len + rl.max_new_tokens)

@@ -1,0 +1,91 @@
+"""What every RL recipe reads before it samples: the prompts files, their tokens, the tokenizer, the stop tokens and
+the rewards (docs/rl.md#prompt-files).
+
+    fields = rl_inputs(run_cfg)        # tok, items, prompt_ids, heldout_items, heldout_ids, rewards, ...: RLRecipe's
+    items = read_prompts("data/rl_addition/prompts_train.jsonl")      # [{"prompt": ..., "answer": ...}, ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from glm46_jax.errors import InputError
+from glm46_jax.interop import chat
+from glm46_jax.interop.reward import check_reward_dir
+from glm46_jax.recipes.rl.config import RLConfig
+from glm46_jax.recipes.rl.reward_model import check_same_tokenizer
+from glm46_jax.recipes.rl.rewards import Rewards
+from glm46_jax.run_config import RunConfig
+from glm46_jax.training import checkpoint
+
+
+def read_prompts(path: str) -> list[dict[str, Any]]:
+    """The prompts file (JSONL, docs/rl.md#prompt-files); a bad line is an InputError naming file:line."""
+    if not os.path.exists(path):
+        raise InputError(f"{path}: no such prompts file (set --config.rl.prompts / --config.rl.heldout; "
+                         "`python -m data_prep.rl_tasks` writes the demo's)")
+    items = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{number}: not JSON ({e})") from e
+            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+                raise InputError(f"{path}:{number}: expected an object with a string 'prompt'")
+            items.append(item)
+    if not items:
+        raise InputError(f"{path}: no prompts")
+    return items
+
+
+def encode_prompts(tok: Tokenizer, items: Sequence[Mapping[str, Any]], rl: RLConfig, where: str) -> list[list[int]]:
+    out = []
+    for i, item in enumerate(items):
+        if rl.chat:
+            ids = chat.encode_prompt(tok, [{"role": "user", "content": item["prompt"]}], enable_thinking=False)
+        else:
+            ids = tok.encode(item["prompt"], add_special_tokens=False).ids
+        if not 0 < len(ids) <= rl.max_prompt_len:
+            raise InputError(f"{where}: prompt {i} is {len(ids)} tokens; rl.max_prompt_len={rl.max_prompt_len} "
+                             "(raise it, or shorten the prompt)")
+        out.append([int(t) for t in ids])
+    return out
+
+
+def tokenizer_path(cfg: RunConfig) -> str:
+    """rl.tokenizer, else the tokenizer.json of checkpoint.init_from's run."""
+    if cfg.rl.tokenizer:
+        return cfg.rl.tokenizer
+    found = checkpoint.tokenizer_path(checkpoint.latest_checkpoint(cfg.checkpoint.init_from)) \
+        if cfg.checkpoint.init_from else None
+    if not found:
+        raise InputError("rl.tokenizer is empty and checkpoint.init_from has no tokenizer.json in its run dir; "
+                         "set --config.rl.tokenizer")
+    return found
+
+
+def rl_inputs(cfg: RunConfig) -> dict[str, Any]:
+    """The prompts, their tokens, the stop tokens and the rewards: the `base.RLRecipe` fields every RL recipe reads."""
+    rl = cfg.rl
+    if "reward_model" in rl.rewards + rl.heldout_rewards:  # before anything is built: a wrong path fails at once
+        check_reward_dir(rl.reward_model)
+        check_same_tokenizer(rl.reward_model, tokenizer_path(cfg))
+    tok = Tokenizer.from_file(tokenizer_path(cfg))
+    items, heldout = read_prompts(rl.prompts), read_prompts(rl.heldout)
+    limits = dict(code_timeout_s=rl.code_timeout_s, code_memory_mb=rl.code_memory_mb)
+    heldout_rewards = None
+    if rl.heldout_rewards:
+        heldout_rewards = Rewards.from_names(rl.heldout_rewards, (1.0,) * len(rl.heldout_rewards), **limits)
+    return dict(tok=tok, items=items, prompt_ids=encode_prompts(tok, items, rl, rl.prompts), heldout_items=heldout,
+                heldout_ids=encode_prompts(tok, heldout, rl, rl.heldout),
+                rewards=Rewards.from_names(rl.rewards, rl.reward_weights, **limits),
+                stop_tokens=tuple(chat.stop_token_ids(tok)) if rl.chat else tuple(cfg.model.eos_token_id),
+                heldout_rewards=heldout_rewards)

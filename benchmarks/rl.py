@@ -100,29 +100,29 @@ def _only_frozen(frozen, names):
 def ppo_variants(recipe):
     """(policy_step, critic_step) of a PPO recipe: ppo_loss's policy terms over the policy alone, and its value term
     over the critic alone, each in the same make_step as the joint update. Both take and return the PPO state."""
-    s, m = recipe.ppo_settings, recipe.built.models
+    rl, ppo, m = recipe.rl, recipe.ppo, recipe.built.models
     policy, critic = m["policy"], m["critic"]
 
     def policy_loss(params, buffers, batch, ctx):  # ppo.step.ppo_loss without critic_values and value_loss
         logp, entropy, _ = completion_logprobs(params["policy"], buffers["policy"], policy.graphdef, batch,
-                                               s.temperature, s.routing_replay)
+                                               rl.temperature, rl.routing_replay)
         mask, old = like(batch["completion_mask"], logp), like(batch["old_logprobs"], logp)
         pg, stats = policy_objective.policy_loss(logp, old, like(batch["advantages"], logp), mask,
-                                               clip_low=s.clip_low, clip_high=s.clip_high, aggregation="token")
+                                               clip_low=rl.clip_low, clip_high=rl.clip_high, aggregation="token")
         n = jnp.maximum(mask.sum(), 1.0)
         ent = jnp.sum(entropy * mask) / n
-        loss = pg - s.entropy_coef * ent
-        if s.kl_in_loss and s.kl_coef > 0:
+        loss = pg - ppo.entropy_coef * ent
+        if ppo.kl_kind == "k3" and rl.kl_coef > 0:
             kl = policy_objective.kl_k3(logp, like(batch["ref_logprobs"], logp))
-            loss = loss + s.kl_coef * jnp.sum(kl * mask) / n
+            loss = loss + rl.kl_coef * jnp.sum(kl * mask) / n
         return loss, {"loss": loss, "pg_loss": pg, "entropy": ent, **stats}
 
     def critic_loss(params, buffers, batch, ctx):  # ppo.step.ppo_loss's value term alone
         values = critic_values(params["critic"], buffers["critic"], critic.graphdef, batch["inputs"])
         mask = like(batch["completion_mask"], values)
         vloss, vstats = ppo_objective.value_loss(values, like(batch["old_values"], values),
-                                                 like(batch["returns"], values), mask, s.vf_clip)
-        loss = s.vf_coef * vloss
+                                                 like(batch["returns"], values), mask, ppo.vf_clip)
+        loss = ppo.vf_coef * vloss
         return loss, {"loss": loss, "value_loss": vloss, **vstats}
 
     p_step = make_step(policy_loss, {"policy": policy.tx}, "policy", lr_schedule=policy.lr_schedule)

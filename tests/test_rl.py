@@ -18,7 +18,8 @@ from glm46_jax.model import apply, init_model
 from glm46_jax.recipes.rl import objective, rewards, sandbox
 from glm46_jax.recipes.rl.grpo import objective as grpo_objective
 from glm46_jax.recipes.rl.rollout import Sampling, sample_groups, training_rows
-from glm46_jax.recipes.rl.grpo.step import StepSettings, grpo_loss
+from glm46_jax.recipes.rl.config import RLConfig
+from glm46_jax.recipes.rl.grpo.step import grpo_loss
 from glm46_jax.recipes.rl.logprobs import completion_logprobs
 from glm46_jax.infer.score import token_logprobs
 
@@ -136,7 +137,7 @@ def test_gradient_equals_reinforce_with_group_baseline(tiny, rollout, mesh1):
 
         old = jax.jit(logp_of)(params)  # the current policy's own log-probs: ratio exactly 1
         full = {**{k: jnp.asarray(v) for k, v in batch.items()}, "old_logprobs": old, "advantages": jnp.asarray(adv)}
-        settings = StepSettings(routing_replay=False)
+        settings = RLConfig(routing_replay=False)
         grad = jax.jit(jax.grad(lambda p: grpo_loss(p, buffers, full, graphdef, settings)[0]))(params)
         reinforce = jax.jit(jax.grad(lambda p: -jnp.sum(logp_of(p) * jnp.asarray(adv)[:, None] * mask) / mask.sum()))(
             params)
@@ -181,7 +182,7 @@ def test_router_weights_get_gradients_under_replay(tiny, rollout, mesh1):
     graphdef, params, buffers = tiny
     batch = {k: jnp.asarray(v) for k, v in training_rows(rollout, range(6), seq_len=12, pad_id=0).items()}
     batch["advantages"] = jnp.asarray([1.0, -1.0, 0.5, -0.5, 1.0, -1.0])
-    settings = StepSettings(routing_replay=True)
+    settings = RLConfig(routing_replay=True)
     direction = jax.random.normal(jax.random.key(1), params["moe_layers"]["mlp"]["router"].shape)
 
     def loss_at(eps):

@@ -23,7 +23,7 @@ from glm46_jax.recipes import models
 from glm46_jax.recipes.base import warn_random_start
 from glm46_jax.recipes.rl.base import RLRecipe, check_rl, model_scorer, policy_spec, reference_weights, rollout_batch
 from glm46_jax.recipes.rl.grpo import objective
-from glm46_jax.recipes.rl.grpo.step import StepSettings, make_grpo_step
+from glm46_jax.recipes.rl.grpo.step import make_grpo_step
 from glm46_jax.recipes.rl.prompts import rl_inputs
 from glm46_jax.run_config import RunConfig
 from glm46_jax.training.step import TrainState
@@ -38,19 +38,12 @@ class GRPO(RLRecipe):
     def dynamic_sampling(self) -> bool:
         return self.rl.dynamic_sampling
 
-    @property
-    def settings(self) -> StepSettings:
-        rl = self.rl
-        return StepSettings(clip_low=rl.clip_low, clip_high=rl.clip_high, aggregation=rl.aggregation,
-                            max_tokens=rl.max_new_tokens, kl_coef=rl.kl_coef, temperature=rl.temperature,
-                            routing_replay=rl.routing_replay)
-
     def steps_for(self, segment: Segment) -> Any:
         return self._grpo_step
 
     @functools.cached_property
     def _grpo_step(self) -> Any:  # one segment: traced once
-        return make_grpo_step(self.main.graphdef, self.main.tx, self.settings, lr_schedule=self.main.lr_schedule,
+        return make_grpo_step(self.main.graphdef, self.main.tx, self.rl, lr_schedule=self.main.lr_schedule,
                               name="policy")
 
     def with_advantages(self, state: TrainState, batch: dict[str, np.ndarray], rewards: np.ndarray

@@ -1,7 +1,7 @@
 """The jitted GRPO update: the policy's log-probs of the sampled completions (with the rollout's routing
 replayed), the clipped loss of `rl.objective` on group advantages, an optimizer step (docs/rl.md#the-update).
 
-    step = make_grpo_step(graphdef, tx, StepSettings(...), lr_schedule=schedule)
+    step = make_grpo_step(graphdef, tx, run_cfg.rl, lr_schedule=schedule)
     state, metrics = step(state, batch, controls, frozen)  # training.step.TrainState, donated
 
 Batches are `rollout.training_rows` plus "advantages" [b] (and "ref_logprobs" [b, s-1] with a KL term).
@@ -11,7 +11,6 @@ and frozen weights for LoRA as pre-training's), so the generic trainer runs it; 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -21,41 +20,31 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from glm46_jax.recipes.rl import objective
+from glm46_jax.recipes.rl.config import RLConfig
 from glm46_jax.recipes.rl.logprobs import completion_logprobs, like
 from glm46_jax.training.step import make_step
 
 
-@dataclasses.dataclass(frozen=True)
-class StepSettings:
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    aggregation: str = "token"
-    max_tokens: int = 1  # "constant" aggregation's per-sequence token budget (max_new_tokens)
-    kl_coef: float = 0.0
-    temperature: float = 1.0  # the sampler's: log-probs are of the tempered distribution it sampled from
-    routing_replay: bool = True
-
-
 def grpo_loss(params: nnx.State, buffers: nnx.State, batch: dict[str, Array], graphdef: nnx.GraphDef,
-              settings: StepSettings) -> tuple[Float[Array, ""], dict[str, Array]]:
-    """The loss the step differentiates and its metrics (scalars)."""
-    logp, entropy, differs = completion_logprobs(params, buffers, graphdef, batch, settings.temperature,
-                                                 settings.routing_replay)
+              rl: RLConfig) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """The loss the step differentiates and its metrics (scalars); the settings are the run's `rl` section (the
+    sampler's temperature and routing, the clip range, the aggregation over rl.max_new_tokens, rl.kl_coef)."""
+    logp, entropy, differs = completion_logprobs(params, buffers, graphdef, batch, rl.temperature, rl.routing_replay)
     mask, old = like(batch["completion_mask"], logp), like(batch["old_logprobs"], logp)
     adv = like(batch["advantages"], logp[:, 0])
     pg, stats = objective.policy_loss(logp, old, adv, mask,
-                                      clip_low=settings.clip_low, clip_high=settings.clip_high,
-                                      aggregation=settings.aggregation, max_tokens=settings.max_tokens)
+                                      clip_low=rl.clip_low, clip_high=rl.clip_high,
+                                      aggregation=rl.aggregation, max_tokens=rl.max_new_tokens)
     n = jnp.maximum(mask.sum(), 1.0)
     token_mean = lambda x: jnp.sum(x * mask) / n  # noqa: E731
     metrics = {"pg_loss": pg, "ce": -token_mean(logp), "entropy": token_mean(entropy),
                "logprob_diff": token_mean(jnp.abs(logp - old)),
                "completion_tokens": mask.sum(), **stats}
     loss = pg
-    if settings.kl_coef > 0:
-        kl = objective.aggregate(objective.kl_k3(logp, like(batch["ref_logprobs"], logp)), mask, settings.aggregation,
-                                 settings.max_tokens)
-        loss = loss + settings.kl_coef * kl
+    if rl.kl_coef > 0:
+        kl = objective.aggregate(objective.kl_k3(logp, like(batch["ref_logprobs"], logp)), mask, rl.aggregation,
+                                 rl.max_new_tokens)
+        loss = loss + rl.kl_coef * kl
         metrics["kl"] = kl
     if differs is not None:
         fed = like(batch["replay_mask"], differs)
@@ -64,14 +53,14 @@ def grpo_loss(params: nnx.State, buffers: nnx.State, batch: dict[str, Array], gr
     return loss, metrics
 
 
-@functools.cache  # one jitted step per (graphdef, optimizer, settings): the next seed in a process reuses it
-def make_grpo_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, settings: StepSettings, *,
+@functools.cache  # one jitted step per (graphdef, optimizer, rl section): the next seed in a process reuses it
+def make_grpo_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, rl: RLConfig, *,
                    lr_schedule: optax.Schedule | None = None, name: str = "policy") -> Callable:
     """step(state, batch, controls[, frozen]) -> (state, metrics): `grpo_loss` in the one update step
     (`training.step.make_step`: the spike / non-finite skip, the lr metric); the correction biases are not moved.
     `frozen` ({name: FrozenModel(base)} for LoRA) as in `training.step.make_train_step`."""
 
     def loss(params, buffers, batch, ctx):
-        return grpo_loss(params[name], buffers[name], batch, graphdef, settings)
+        return grpo_loss(params[name], buffers[name], batch, graphdef, rl)
 
     return make_step(loss, {name: tx}, name, lr_schedule=lr_schedule)

@@ -37,7 +37,7 @@ from glm46_jax.recipes.rl.base import (RLRecipe, check_rl, device_batch, model_s
                                        rollout_batch)
 from glm46_jax.recipes.rl.ppo import objective
 from glm46_jax.recipes.rl.ppo.config import PPOConfig
-from glm46_jax.recipes.rl.ppo.step import PPOSettings, make_ppo_step, values_fn
+from glm46_jax.recipes.rl.ppo.step import make_ppo_step, values_fn
 from glm46_jax.recipes.rl.prompts import rl_inputs
 from glm46_jax.run_config import RunConfig
 from glm46_jax.training import checkpoint
@@ -57,13 +57,6 @@ class PPO(RLRecipe):
     def dynamic_sampling(self) -> bool:
         return False  # every sample has its own advantage: nothing to drop
 
-    @property
-    def ppo_settings(self) -> PPOSettings:
-        rl, ppo = self.rl, self.ppo
-        return PPOSettings(clip_low=rl.clip_low, clip_high=rl.clip_high, temperature=rl.temperature,
-                           routing_replay=rl.routing_replay, entropy_coef=ppo.entropy_coef, vf_coef=ppo.vf_coef,
-                           vf_clip=ppo.vf_clip, kl_coef=rl.kl_coef, kl_in_loss=ppo.kl_kind == "k3")
-
     def steps_for(self, segment: Any) -> Any:
         return self._ppo_step
 
@@ -71,7 +64,7 @@ class PPO(RLRecipe):
     def _ppo_step(self) -> Any:
         models_ = self.built.models
         return make_ppo_step(models_["policy"].graphdef, models_["critic"].graphdef,
-                             {"policy": models_["policy"].tx, "critic": models_["critic"].tx}, self.ppo_settings,
+                             {"policy": models_["policy"].tx, "critic": models_["critic"].tx}, self.rl, self.ppo,
                              lr_schedule=models_["policy"].lr_schedule)
 
     @functools.cached_property

@@ -1,6 +1,6 @@
 """The jitted PPO update of the policy and the critic together (docs/rl.md#ppo).
 
-    step = make_ppo_step(policy_graphdef, critic_graphdef, {"policy": tx, "critic": tx_c}, settings)
+    step = make_ppo_step(policy_graphdef, critic_graphdef, {"policy": tx, "critic": tx_c}, run_cfg.rl, run_cfg.ppo)
     state, metrics = step(state, batch, controls, frozen)    # training.step.TrainState: policy inline, critic in others
 
 A batch is the rollout's rows (rollout.training_rows) plus [b, s-1] "advantages" (GAE, per token), "returns" and
@@ -12,7 +12,6 @@ model's own optimizer applies PPO's two updates. Neither model's correction bias
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -24,22 +23,11 @@ from jaxtyping import Array, Float
 
 from glm46_jax.model import apply
 from glm46_jax.recipes.rl import objective as policy_objective
+from glm46_jax.recipes.rl.config import RLConfig
 from glm46_jax.recipes.rl.logprobs import completion_logprobs, like
 from glm46_jax.recipes.rl.ppo import objective
+from glm46_jax.recipes.rl.ppo.config import PPOConfig
 from glm46_jax.training.step import make_step
-
-
-@dataclasses.dataclass(frozen=True)
-class PPOSettings:
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    temperature: float = 1.0
-    routing_replay: bool = True
-    entropy_coef: float = 0.0
-    vf_coef: float = 0.5
-    vf_clip: float = 0.2
-    kl_coef: float = 0.0  # > 0 with kl_in_loss: k3 in the loss
-    kl_in_loss: bool = False
 
 
 def critic_values(params: nnx.State, buffers: nnx.State, graphdef: nnx.GraphDef, inputs: Array
@@ -50,51 +38,51 @@ def critic_values(params: nnx.State, buffers: nnx.State, graphdef: nnx.GraphDef,
 
 
 def ppo_loss(params: dict[str, nnx.State], buffers: dict[str, nnx.State], batch: dict[str, Array],
-             policy: nnx.GraphDef, critic: nnx.GraphDef, settings: PPOSettings, policy_weight: Array | float = 1.0
-             ) -> tuple[Array, dict[str, Array]]:
+             policy: nnx.GraphDef, critic: nnx.GraphDef, rl: RLConfig, ppo: PPOConfig,
+             policy_weight: Array | float = 1.0) -> tuple[Array, dict[str, Array]]:
     """The PPO loss; policy_weight 0 (the critic's warm-up) leaves the policy's gradient zero and so, under Adam
     with zeroed moments, its weights in place (but for decoupled weight decay, when optim.weight_decay > 0)."""
     logp, entropy, differs = completion_logprobs(params["policy"], buffers["policy"], policy, batch,
-                                                 settings.temperature, settings.routing_replay)
+                                                 rl.temperature, rl.routing_replay)
     mask, old = like(batch["completion_mask"], logp), like(batch["old_logprobs"], logp)
     adv = like(batch["advantages"], logp)
-    pg, stats = policy_objective.policy_loss(logp, old, adv, mask, clip_low=settings.clip_low,
-                                           clip_high=settings.clip_high, aggregation="token")
+    pg, stats = policy_objective.policy_loss(logp, old, adv, mask, clip_low=rl.clip_low, clip_high=rl.clip_high,
+                                             aggregation="token")
     n = jnp.maximum(mask.sum(), 1.0)
     token_mean = lambda x: jnp.sum(x * mask) / n  # noqa: E731
     ent = token_mean(entropy)
-    policy_loss = pg - settings.entropy_coef * ent
+    policy_loss = pg - ppo.entropy_coef * ent
     metrics = {"pg_loss": pg, "entropy": ent, "ce": -token_mean(logp), "logprob_diff": token_mean(jnp.abs(logp - old)),
                "completion_tokens": mask.sum(), **stats}
-    if settings.kl_in_loss and settings.kl_coef > 0:
+    if ppo.kl_kind == "k3" and rl.kl_coef > 0:  # else the KL is in the rewards (k1) or off
         kl = token_mean(policy_objective.kl_k3(logp, like(batch["ref_logprobs"], logp)))
-        policy_loss = policy_loss + settings.kl_coef * kl
+        policy_loss = policy_loss + rl.kl_coef * kl
         metrics["kl"] = kl
     values = critic_values(params["critic"], buffers["critic"], critic, batch["inputs"])
     values = like(values, logp)
     vloss, vstats = objective.value_loss(values, like(batch["old_values"], logp), like(batch["returns"], logp), mask,
-                                         settings.vf_clip)
+                                         ppo.vf_clip)
     metrics.update(vstats, value_loss=vloss, value_mean=token_mean(values))
     if differs is not None:
         fed = like(batch["replay_mask"], differs)
         metrics["replay_mismatch"] = jnp.sum(differs * fed) / jnp.maximum(fed.sum(), 1.0)
-    loss = policy_weight * policy_loss + settings.vf_coef * vloss
+    loss = policy_weight * policy_loss + ppo.vf_coef * vloss
     metrics["loss"] = loss
     return loss, metrics
 
 
 def make_ppo_step(policy: nnx.GraphDef, critic: nnx.GraphDef, txs: dict[str, optax.GradientTransformation],
-                  settings: PPOSettings, *, lr_schedule: optax.Schedule | None = None) -> Callable:
+                  rl: RLConfig, ppo: PPOConfig, *, lr_schedule: optax.Schedule | None = None) -> Callable:
     """step(state, batch, controls[, frozen]) -> (state, metrics): `ppo_loss` in the one update step (the spike /
     non-finite skip covers both models)."""
-    return _ppo_step(policy, critic, tuple(txs.items()), settings, lr_schedule)
+    return _ppo_step(policy, critic, tuple(txs.items()), rl, ppo, lr_schedule)
 
 
-@functools.cache  # one jitted step per (graphdefs, optimizers, settings): the next seed in a process reuses it
-def _ppo_step(policy: nnx.GraphDef, critic: nnx.GraphDef, txs: tuple, settings: PPOSettings,
+@functools.cache  # one jitted step per (graphdefs, optimizers, sections): the next seed in a process reuses it
+def _ppo_step(policy: nnx.GraphDef, critic: nnx.GraphDef, txs: tuple, rl: RLConfig, ppo: PPOConfig,
               lr_schedule: optax.Schedule | None) -> Callable:
     def loss(params, buffers, batch, ctx):
-        return ppo_loss(params, buffers, batch, policy, critic, settings, ctx.get("policy_weight", 1.0))
+        return ppo_loss(params, buffers, batch, policy, critic, rl, ppo, ctx.get("policy_weight", 1.0))
 
     return make_step(loss, dict(txs), "policy", lr_schedule=lr_schedule)
 

@@ -1,5 +1,7 @@
-"""Preference optimisation (issue 32, in progress): the objective so far; data, the reward model, the DPO and PPO
-recipes come next (see the closing note of 2026-11-26).
+"""Learning from preference pairs (docs/preferences.md): the reward model and DPO (IPO, SimPO).
 
-    objective   DPO (sigmoid, label smoothing), IPO, SimPO and Bradley-Terry losses as pure functions
+    config     PreferenceConfig, the `preference` section both recipes are handed
+    objective  DPO (sigmoid, label smoothing), IPO, SimPO and Bradley-Terry losses as pure functions
+    step       the jitted steps: the reward model's Bradley-Terry step and DPO's, on packed pair batches
+    recipe     the "reward" and "dpo" recipes of the generic trainer, full or LoRA
 """

@@ -137,7 +137,7 @@ def reference_logps(params: dict[str, nnx.State], buffers: dict[str, nnx.State],
 
 
 def reward_objective(graphdef: nnx.GraphDef, pref: PreferenceConfig, name: str = "reward") -> LossFn:
-    """`reward_loss` as a `train_step.LossFn` of the model `name`."""
+    """`reward_loss` as a `training.step.LossFn` of the model `name`."""
 
     def loss(params, buffers, batch, ctx):
         return reward_loss(params[name], buffers[name], batch, ctx["pairs"], graphdef, pref.use_margin)
@@ -146,7 +146,7 @@ def reward_objective(graphdef: nnx.GraphDef, pref: PreferenceConfig, name: str =
 
 def dpo_objective(graphdef: nnx.GraphDef, pref: PreferenceConfig, reference: Reference | None,
                   name: str = "policy") -> LossFn:
-    """`dpo_loss` as a `train_step.LossFn` of the policy `name` (a frozen reference model comes by its name)."""
+    """`dpo_loss` as a `training.step.LossFn` of the policy `name` (a frozen reference model comes by its name)."""
 
     def loss(params, buffers, batch, ctx):
         return dpo_loss(params, buffers, batch, ctx["pairs"], graphdef, pref, reference, name)

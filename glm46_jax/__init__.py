@@ -28,5 +28,4 @@ Kept import-light on purpose: `import glm46_jax` must not pull in jax, so that t
 multi-host launcher can set XLA flags and call `jax.distributed.initialize` first.
 """
 
-
 __version__ = "0.1.0"

@@ -90,8 +90,8 @@ def test_no_import_cycles():
 
 
 def test_packages_import_one_way():
-    """The folders are the architecture: no package (model, parallel, training, recipes, infer, interop, data) imports
-    one that imports it back, through any of their modules."""
+    """The folders are the architecture: no package (recipes, training, monitoring, data, infer, interop, model,
+    parallel) imports one that imports it back, through any of their modules."""
     known = modules()
     package = {name: ".".join(name.split(".")[:2]) for name in known}  # glm46_jax.<package or top-level module>
     graph: dict[str, set[str]] = {p: set() for p in package.values()}
@@ -100,6 +100,35 @@ def test_packages_import_one_way():
         graph[package[name]].update(deps - {package[name]})
     assert len(graph) > 15 and "glm46_jax.training" in graph["glm46_jax.recipes"]  # it read the packages
     assert cycles(graph) == []
+
+
+# README "Layout", top to bottom: a package or top-level module imports only what sits in a lower layer.
+LAYERS = [
+    {"train", "bench", "plan", "generate", "score", "eval", "harness", "convert"},  # the command lines
+    {"recipes"},
+    {"run_config"},
+    {"infer"},
+    {"interop"},
+    {"training"},
+    {"monitoring"},
+    {"data"},
+    {"model"},
+    {"parallel"},
+    {"config"},
+    {"cli"},
+    {"errors", "atomic", "host"},
+]
+
+
+def test_packages_import_only_lower_layers():
+    known = modules()
+    layer = {name: i for i, names in enumerate(LAYERS) for name in names}
+    top = {name: name.split(".")[1] for name in known if name != PACKAGE}
+    assert set(top.values()) == set(layer), "a package or top-level module is missing from LAYERS (or gone)"
+    upward = sorted(f"{name} imports {dep}" for name, path in known.items() if name != PACKAGE
+                    for dep in imports_of(name, path, known)
+                    if top[dep] != top[name] and layer[top[dep]] <= layer[top[name]])
+    assert upward == []
 
 
 def test_the_cycle_finder_finds_a_cycle_through_a_package_init():

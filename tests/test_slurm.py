@@ -252,9 +252,9 @@ def test_a_hung_task_is_requeued_once_and_the_rerun_completes(straight, slurm_en
     log = _log(run_dir, job)
     assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", (state, log[-4000:])
     # the first run: the watchdogs' report, task 1 stuck in the injected fault
-    assert "process 1: hung: no step completed" in log and "faults.py" in log, log[-6000:]
+    assert "process 1: hung: no step completed" in log and "fault_injection.py" in log, log[-6000:]
     with open(os.path.join(run_dir, "hang", "process_1.txt")) as f:
-        assert "faults.py" in f.read()
+        assert "fault_injection.py" in f.read()
     with open(os.path.join(run_dir, "requeues.log")) as f:
         requeues = f.read().splitlines()
     assert len(requeues) == 1 and re.search(rf" job {job} restart 1: hung at step 3$", requeues[0]), requeues

@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/checkpoint_save.py --config=configs/pretrain.py:small \
         --config.model.num_hidden_layers=4      # the small preset's widths, fewer layers (host RAM)
 
-The state is `pretrain.build`'s: params + Muon/AdamW state + correction biases, exactly what `train`
+The state is `pretrain.Pretraining.build`'s: params + Muon/AdamW state + correction biases, exactly what `train`
 checkpoints, written by the same `Checkpointer` into a temporary directory. For each mode it saves
 `--saves` times; "blocking" is the time `Checkpointer.save` holds the caller (with async saving: the
 copy off the devices, then the write runs in Orbax's background thread), "total" is until the step
@@ -24,7 +24,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from glm46_jax import cli
-from glm46_jax.recipes.pretrain import build
+from glm46_jax.recipes.pretrain import Pretraining
 from glm46_jax.run_config import from_config_dict
 from glm46_jax.bench import git_commit
 from glm46_jax.training.checkpoint import Checkpointer
@@ -50,7 +50,7 @@ def _time_saves(directory: str, state, saves: int, async_save: bool) -> tuple[li
 def main(argv):
     del argv
     cfg = from_config_dict(flags.FLAGS.config)
-    run, state = build(cfg)
+    run, state = Pretraining.build(cfg)
     leaves = jax.tree.leaves((state.params, state.buffers, state.opt_state))
     state_bytes = sum(x.size * x.dtype.itemsize for x in leaves)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))

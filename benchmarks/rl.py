@@ -65,7 +65,7 @@ from glm46_jax.run_config import config_file
 from glm46_jax.training.step import ModelState, TrainState, make_step
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs")
-RECIPES = {"grpo": (grpo_recipe, "grpo.py", "tiny"), "ppo": (ppo_recipe, "ppo.py", "addition")}
+RECIPES = {"grpo": (grpo_recipe.GRPO, "grpo.py", "tiny"), "ppo": (ppo_recipe.PPO, "ppo.py", "addition")}
 
 
 def build_config(args, data: str, recipe: str):
@@ -144,10 +144,10 @@ def ppo_variants(recipe):
 
 
 def bench(args, data: str, name: str) -> dict:
-    module = RECIPES[name][0]
+    recipe_class = RECIPES[name][0]
     cfg = build_config(args, data, name)
     t0 = time.perf_counter()
-    recipe, state = module.build(cfg)
+    recipe, state = recipe_class.build(cfg)
     build_s = time.perf_counter() - t0
     recipe.start(None, None)
     main_step = recipe.steps_for(recipe.segment())

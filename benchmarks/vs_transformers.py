@@ -12,7 +12,7 @@ top-4 + 1 shared, expert width 128, dense width 768, vocab 8192, no MTP), fp32, 
     clip_grad_norm_(1.0), `torch.optim.AdamW` (the HF trainer's default optimizer), zero_grad. Its router has no
     aux loss and no bias update; experts and attention run through whatever transformers picks by default
     (the report names them).
-  * glm46_jax's real train step (`glm46_jax.bench.bench`, i.e. `pretrain.build` + `train_step`):
+  * glm46_jax's real train step (`glm46_jax.bench.bench`, i.e. `pretrain.Pretraining.build` + `train_step`):
     configs/pretrain.py's tiny preset with the model fields overridden to `ANCHOR`, loss.mtp off,
     moe_capacity_factor 0 (dropless), one CPU device. Variants: "muon" = the default optimizer (Muon on the hidden matrices + AdamW on embedding,
     lm_head, router, norms and biases), "adamw" = optim.algorithm "adamw" (AdamW on every leaf, HF's side's

@@ -3,7 +3,7 @@
     python -m glm46_jax.bench --config=configs/pretrain.py:tiny [--steps=20 --warmup=3 --out=bench.json]
     python -m glm46_jax.bench --config=configs/pretrain.py:small --config.data.phases.general.global_batch=8
 
-The step is exactly `train`'s (`pretrain.build`: Muon + AdamW, loss-free balancing, MTP and aux
+The step is exactly `train`'s (`pretrain.Pretraining.build`: Muon + AdamW, loss-free balancing, MTP and aux
 losses, accumulation and remat from the config); tokens are uniform random ids, which cost the
 same FLOPs as text. Prints a table and one JSON line; `--out` also writes the JSON.
 
@@ -112,7 +112,7 @@ class PreparedStep:
         if phase_name is not None and phase_name not in phases:
             raise InputError(f"--phase={phase_name!r}: the curriculum's phases are {list(phases)}")
         self.cfg = cfg
-        self.run, self.state = pretrain.build(cfg, devices)
+        self.run, self.state = pretrain.Pretraining.build(cfg, devices)
         self.phase = phases[phase_name] if phase_name else cfg.data.curriculum.phases[0]
         self.rows, self.seq_len = self.phase.global_batch, self.phase.seq_len
         self.devices = list(self.run.mesh.devices.flatten())

@@ -148,8 +148,8 @@ class RunConfig:
 @dataclasses.dataclass(frozen=True)
 class RecipeEntry:
     """A recipe by name (`config.recipe`; docs/trainer.md#adding-a-recipe)."""
-    # "module:function", imported when a run starts (or the function itself): build(run_cfg, devices) ->
-    # (trainer.Recipe, TrainState)
+    # "module:Class.build", the recipe class's builder, imported when a run starts (or the function itself):
+    # build(run_cfg, devices) -> (the recipe, a trainer.Recipe; its TrainState)
     build: str | Callable[..., Any]
     steps: Callable[[RunConfig], int]  # the run's length
     # The config sections it is handed (names in SECTIONS): each must be in the file, and each section's
@@ -161,14 +161,17 @@ class RecipeEntry:
 
 
 def named(ref: str) -> Any:
-    """The object a "module:name" string names, imported now."""
+    """The object a "module:name" (or "module:Class.attr") string names, imported now."""
     module, name = ref.split(":")
-    return getattr(importlib.import_module(module), name)
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
-# The recipes and their config sections, named "module:name" rather than imported (the recipes import this module,
-# and imports flow one way): a recipe's builder is imported when a run starts, a section's class when a config file
-# has that section.
+# The recipes and their config sections, named "module:Class" rather than imported (the recipes import this
+# module, and imports flow one way): a recipe class's builder is imported when a run starts, a section's class when
+# a config file has that section.
 
 # Each recipe's own config section, by its name in the config file and RunConfig: a frozen dataclass beside the
 # recipe that checks itself, with `check_run(run_cfg)` and, where RECIPES reads it, `steps(train.steps)`.
@@ -181,13 +184,13 @@ SECTIONS: dict[str, str] = {
 
 # Every recipe `python -m glm46_jax.train` runs, by `config.recipe`: the one table the driver looks them up in.
 RECIPES: dict[str, RecipeEntry] = {
-    "pretrain": RecipeEntry("glm46_jax.recipes.pretrain:build", lambda c: total_steps(c.data, c.train)),
-    "sft": RecipeEntry("glm46_jax.recipes.sft:build", lambda c: c.sft.steps(c.train.steps), ("sft",)),
-    "grpo": RecipeEntry("glm46_jax.recipes.rl.grpo.recipe:build", lambda c: c.rl.steps(c.train.steps), ("rl",)),
-    "ppo": RecipeEntry("glm46_jax.recipes.rl.ppo.recipe:build", lambda c: c.rl.steps(c.train.steps), ("rl", "ppo")),
-    "reward": RecipeEntry("glm46_jax.recipes.preference.recipe:build_reward",
+    "pretrain": RecipeEntry("glm46_jax.recipes.pretrain:Pretraining.build", lambda c: total_steps(c.data, c.train)),
+    "sft": RecipeEntry("glm46_jax.recipes.sft:FineTuning.build", lambda c: c.sft.steps(c.train.steps), ("sft",)),
+    "grpo": RecipeEntry("glm46_jax.recipes.rl.grpo.recipe:GRPO.build", lambda c: c.rl.steps(c.train.steps), ("rl",)),
+    "ppo": RecipeEntry("glm46_jax.recipes.rl.ppo.recipe:PPO.build", lambda c: c.rl.steps(c.train.steps), ("rl", "ppo")),
+    "reward": RecipeEntry("glm46_jax.recipes.preference.recipe:Pairs.build_reward",
                           lambda c: c.preference.steps(c.train.steps), ("preference",)),
-    "dpo": RecipeEntry("glm46_jax.recipes.preference.recipe:build_dpo",
+    "dpo": RecipeEntry("glm46_jax.recipes.preference.recipe:Pairs.build_dpo",
                        lambda c: c.preference.steps(c.train.steps), ("preference",)),
 }
 

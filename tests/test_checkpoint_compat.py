@@ -224,7 +224,7 @@ def test_restores_onto_a_fresh_state(run_copy, sample_corpus, saved):
     from glm46_jax.recipes import pretrain
 
     cfg = from_config_dict(fixture_config(run_copy, sample_corpus, STEPS))
-    _, fresh = pretrain.build(cfg, jax.devices()[:1])
+    _, fresh = pretrain.Pretraining.build(cfg, jax.devices()[:1])
     ckpt = checkpoint.Checkpointer(run_copy, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
     try:
         assert ckpt.steps() == [STEPS]

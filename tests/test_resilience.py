@@ -21,7 +21,7 @@ from conftest import apply_flags, subprocess_env
 
 from glm46_jax.errors import InputError
 from glm46_jax.parallel import sharding
-from glm46_jax.recipes.pretrain import build
+from glm46_jax.recipes.pretrain import Pretraining
 from glm46_jax.run_config import config_file, from_config_dict
 from glm46_jax.train import train
 from glm46_jax.training import checkpoint
@@ -192,7 +192,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, referenc
     shutil.copytree(reference, run_dir)
     steps = _steps(run_dir)
     _damage(os.path.join(run_dir, "checkpoints", str(steps[-1])), kind)
-    run, initial = build(from_config_dict(_config(run_dir, "unused")), jax.devices()[:1])
+    run, initial = Pretraining.build(from_config_dict(_config(run_dir, "unused")), jax.devices()[:1])
     with sharding.use_mesh(run.mesh):
         restorer = checkpoint.Checkpointer(run_dir, every=EVERY)
         restored = restorer.restore_latest(initial)
@@ -216,7 +216,7 @@ def test_unrestorable_checkpoints_stop_the_run_instead_of_starting_over(tmp_path
     steps = _steps(run_dir)
     for step, kind in zip(steps, itertools.cycle(("garbage_json", "truncated")), strict=False):
         _damage(os.path.join(run_dir, "checkpoints", str(step)), kind)
-    run, initial = build(from_config_dict(_config(run_dir, "unused")), jax.devices()[:1])
+    run, initial = Pretraining.build(from_config_dict(_config(run_dir, "unused")), jax.devices()[:1])
     with sharding.use_mesh(run.mesh):
         restorer = checkpoint.Checkpointer(run_dir, every=EVERY)
         with pytest.raises(RuntimeError, match="no checkpoint in .* restores") as err:
@@ -249,7 +249,7 @@ def test_restore_onto_other_meshes_and_continue(tmp_path, sample_corpus):
     run_dir = str(tmp_path / "meshes")
     config = _config(run_dir, sample_corpus, steps=EVERY + 2)
     config.mesh = {"data": 2, "tensor": 2, "expert": 2}
-    run, initial = build(from_config_dict(config), jax.devices()[:8])
+    run, initial = Pretraining.build(from_config_dict(config), jax.devices()[:8])
     with sharding.use_mesh(run.mesh):  # a non-trivial state: biases and the step counter moved
         state = initial.replace(step=initial.step + EVERY,
                                   buffers=jax.tree.map(lambda b: b + 0.01 * jax.numpy.arange(b.shape[-1]),
@@ -262,7 +262,7 @@ def test_restore_onto_other_meshes_and_continue(tmp_path, sample_corpus):
         (state.params, state.buffers, state.opt_state))}
     for mesh in ({"data": 1, "tensor": 4, "expert": 2}, {"data": 8}):
         config.mesh = mesh
-        run, initial = build(from_config_dict(config), jax.devices()[:8])
+        run, initial = Pretraining.build(from_config_dict(config), jax.devices()[:8])
         with sharding.use_mesh(run.mesh):
             restorer = checkpoint.Checkpointer(run_dir, every=EVERY)
             step, restored, _, _ = restorer.restore_latest(initial)

@@ -3,9 +3,10 @@ recipe) and `LanguageModeling` (next-token training on token batches: pre-traini
 
     class MyRecipe(RecipeBase):        # implement start, next_input, steps_for, evaluate (docs/trainer.md)
         ...
-    def build(cfg, devices):           # registered in run_config.RECIPES
-        built = models.build(cfg, devices, [ModelSpec(...)], [BatchShape(...)])
-        return MyRecipe(cfg, built), built.state
+        @staticmethod
+        def build(cfg, devices):       # named in run_config.RECIPES: "<module>:MyRecipe.build"
+            built = models.build(cfg, devices, [ModelSpec(...)], [BatchShape(...)])
+            return MyRecipe(cfg, built), built.state
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Pre-training (and mid-training) as a recipe of the generic trainer: a curriculum of phases.
 
-    recipe, state = pretrain.build(run_cfg)          # mesh, model, optimizer, state; nothing compiled
+    recipe, state = Pretraining.build(run_cfg)        # mesh, model, optimizer, state; nothing compiled
     recipe.start(state, data_state=None)              # the curriculum's batches, from the start or a checkpoint
     state, summary = trainer.fit(recipe, state, ...)
 
@@ -102,20 +102,21 @@ class Pretraining(LanguageModeling):
         if self.data is not None:
             self.data.close()
 
+    @staticmethod
+    def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[Pretraining, TrainState]:
+        """Mesh -> model (`checkpoint.init_from`'s weights or a random init) -> optimizer -> train state (nothing
+        compiled, no data read yet)."""
+        accum = cfg.train.accum_steps
+        # A ramped phase's batches grow by rows_unit, so that is what must split.
+        batches = [models.BatchShape(f"data.phases.{p.name}.global_batch (or its batch_ramp increment)", p.rows_unit,
+                                     f"data.phases.{p.name}.seq_len", p.seq_len, accum)
+                   for p in cfg.data.curriculum.phases]
+        built = models.build(cfg, devices, [models.ModelSpec("model", cfg.model, init_from=cfg.checkpoint.init_from)],
+                             batches)
+        d = cfg.data
+        rows = {"process_index": 0, "process_count": 1} if d.process_split == "rows" else {}
+        loader_cfg = LoaderConfig(root=d.root, seed=d.seed, num_workers=d.num_workers, read_threads=d.read_threads,
+                                  **rows)
+        logging.info("%d steps over phases %s", cfg.total_steps, [p.name for p in cfg.data.curriculum.phases])
+        return Pretraining(cfg, built, loader_cfg=loader_cfg), built.state
 
-def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[Pretraining, TrainState]:
-    """Mesh -> model (`checkpoint.init_from`'s weights or a random init) -> optimizer -> train state (nothing
-    compiled, no data read yet)."""
-    accum = cfg.train.accum_steps
-    # A ramped phase's batches grow by rows_unit, so that is what must split.
-    batches = [models.BatchShape(f"data.phases.{p.name}.global_batch (or its batch_ramp increment)", p.rows_unit,
-                                 f"data.phases.{p.name}.seq_len", p.seq_len, accum)
-               for p in cfg.data.curriculum.phases]
-    built = models.build(cfg, devices, [models.ModelSpec("model", cfg.model, init_from=cfg.checkpoint.init_from)],
-                         batches)
-    d = cfg.data
-    rows = {"process_index": 0, "process_count": 1} if d.process_split == "rows" else {}
-    loader_cfg = LoaderConfig(root=d.root, seed=d.seed, num_workers=d.num_workers, read_threads=d.read_threads,
-                              **rows)
-    logging.info("%d steps over phases %s", cfg.total_steps, [p.name for p in cfg.data.curriculum.phases])
-    return Pretraining(cfg, built, loader_cfg=loader_cfg), built.state

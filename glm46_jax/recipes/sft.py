@@ -1,6 +1,6 @@
 """Supervised fine-tuning on chat data as a recipe of the generic trainer: full fine-tuning or LoRA.
 
-    recipe, state = sft.build(run_cfg)       # mesh, base weights (checkpoint.init_from), adapters, optimizer
+    recipe, state = FineTuning.build(run_cfg)     # mesh, base weights (checkpoint.init_from), adapters, optimizer
     recipe.start(state, data_state=None)     # packed conversations of `python -m data_prep sft`
     state, summary = trainer.fit(recipe, state, ...)
 
@@ -132,15 +132,16 @@ class FineTuning(LanguageModeling):
     def close(self) -> None:
         self.data = None
 
+    @staticmethod
+    def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[FineTuning, TrainState]:
+        """Mesh -> base weights -> (adapters) -> optimizer -> train state. Nothing compiled, no data read."""
+        sft = cfg.sft
+        sft_loader.read_sft_metadata(sft.root)  # a missing or foreign dataset fails here, naming the path
+        spec = models.ModelSpec("model", cfg.model, init_from=cfg.checkpoint.init_from,
+                                lora=cfg.lora if sft.method == "lora" else None)
+        warn_random_start(spec, "fine-tuning")
+        built = models.build(cfg, devices, [spec], [models.BatchShape(
+            "sft.global_batch", sft.global_batch, "sft.seq_len", sft.seq_len, cfg.train.accum_steps)])
+        logging.info("%d steps of %s fine-tuning on %s", cfg.total_steps, sft.method, sft.root)
+        return FineTuning(cfg, built), built.state
 
-def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[FineTuning, TrainState]:
-    """Mesh -> base weights -> (adapters) -> optimizer -> train state. Nothing compiled, no data read."""
-    sft = cfg.sft
-    sft_loader.read_sft_metadata(sft.root)  # a missing or foreign dataset fails here, naming the path
-    spec = models.ModelSpec("model", cfg.model, init_from=cfg.checkpoint.init_from,
-                            lora=cfg.lora if sft.method == "lora" else None)
-    warn_random_start(spec, "fine-tuning")
-    built = models.build(cfg, devices, [spec], [models.BatchShape(
-        "sft.global_batch", sft.global_batch, "sft.seq_len", sft.seq_len, cfg.train.accum_steps)])
-    logging.info("%d steps of %s fine-tuning on %s", cfg.total_steps, sft.method, sft.root)
-    return FineTuning(cfg, built), built.state

@@ -1,7 +1,7 @@
 """The preference recipes of the generic trainer: "reward" (a reward model: the GLM backbone and a score head,
 Bradley-Terry on chosen/rejected pairs) and "dpo" (DPO, IPO or SimPO on the policy), full or LoRA.
 
-    recipe, state = recipe.build_dpo(run_cfg)     # mesh, policy (checkpoint.init_from), reference, optimizer
+    recipe, state = Pairs.build_dpo(run_cfg)   # mesh, policy (checkpoint.init_from), reference, optimizer
     recipe.start(state, data_state=None)          # packed pairs of `python -m data_prep preferences`
     state, summary = trainer.fit(recipe, state, ...)
 
@@ -137,6 +137,44 @@ class Pairs(RecipeBase):
     def close(self) -> None:
         self.data = None
 
+    @staticmethod
+    def build_reward(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[Pairs, TrainState]:
+        """A reward model: checkpoint.init_from's backbone with a one-output score head (fresh unless init_from has
+        one), full or LoRA (the head then trains in full)."""
+        pref = cfg.preference
+        preference_loader.read_preference_metadata(pref.root)  # a missing or foreign dataset fails here, naming it
+        model_cfg = dataclasses.replace(cfg.model, score_head=1)
+        spec = models.ModelSpec("reward", model_cfg, init_from=cfg.checkpoint.init_from,
+                                lora=cfg.lora if pref.method == "lora" else None)
+        warn_random_start(spec, "the reward model trains")
+        built = models.build(cfg, devices, [spec], [_batch_shape(cfg)])
+        loss = pair_step.reward_objective(built.models["reward"].graphdef, pref, "reward")
+        logging.info("%d steps of %s reward-model training on %s", cfg.total_steps, pref.method, pref.root)
+        return Pairs(cfg, built, name="reward", loss=loss), built.state
+
+    @staticmethod
+    def build_dpo(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[Pairs, TrainState]:
+        """DPO / IPO / SimPO of checkpoint.init_from's model; the reference is a frozen copy of it (full), its base
+        with the adapters off (LoRA) or none (SimPO)."""
+        pref = cfg.preference
+        preference_loader.read_preference_metadata(pref.root)
+        lora_cfg = cfg.lora if pref.method == "lora" else None
+        specs = [models.ModelSpec("policy", cfg.model, init_from=cfg.checkpoint.init_from, lora=lora_cfg)]
+        needs_reference = pref.loss_type != "simpo"
+        if needs_reference and lora_cfg is None:
+            specs.append(models.ModelSpec("reference", cfg.model, init_from=cfg.checkpoint.init_from, trained=False))
+        warn_random_start(specs[0], "preference optimisation starts from")
+        built = models.build(cfg, devices, specs, [_batch_shape(cfg)])
+        reference = None
+        if needs_reference and lora_cfg is None:
+            reference = pair_step.Reference("reference", built.models["reference"].graphdef)
+        elif needs_reference:
+            reference = pair_step.Reference("base", abstract_model(cfg.model, built.mesh)[0])
+        loss = pair_step.dpo_objective(built.models["policy"].graphdef, pref, reference, "policy")
+        logging.info("%d steps of %s %s on %s (reference: %s)", cfg.total_steps, pref.method, pref.loss_type, pref.root,
+                     reference.source if reference else "none")
+        return Pairs(cfg, built, name="policy", loss=loss), built.state
+
 
 def _pair_mean(per_batch: list[dict[str, Any]]) -> dict[str, float]:
     """Each metric averaged over the pairs (batches weighted by their pair counts), and the pair count."""
@@ -156,40 +194,3 @@ def _batch_shape(cfg: RunConfig) -> models.BatchShape:
     return models.BatchShape("preference.global_batch", pref.global_batch, "preference.seq_len", pref.seq_len,
                              cfg.train.accum_steps)
 
-
-def build_reward(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[Pairs, TrainState]:
-    """A reward model: checkpoint.init_from's backbone with a one-output score head (fresh unless init_from has
-    one), full or LoRA (the head then trains in full)."""
-    pref = cfg.preference
-    preference_loader.read_preference_metadata(pref.root)  # a missing or foreign dataset fails here, naming it
-    model_cfg = dataclasses.replace(cfg.model, score_head=1)
-    spec = models.ModelSpec("reward", model_cfg, init_from=cfg.checkpoint.init_from,
-                            lora=cfg.lora if pref.method == "lora" else None)
-    warn_random_start(spec, "the reward model trains")
-    built = models.build(cfg, devices, [spec], [_batch_shape(cfg)])
-    loss = pair_step.reward_objective(built.models["reward"].graphdef, pref, "reward")
-    logging.info("%d steps of %s reward-model training on %s", cfg.total_steps, pref.method, pref.root)
-    return Pairs(cfg, built, name="reward", loss=loss), built.state
-
-
-def build_dpo(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[Pairs, TrainState]:
-    """DPO / IPO / SimPO of checkpoint.init_from's model; the reference is a frozen copy of it (full), its base
-    with the adapters off (LoRA) or none (SimPO)."""
-    pref = cfg.preference
-    preference_loader.read_preference_metadata(pref.root)
-    lora_cfg = cfg.lora if pref.method == "lora" else None
-    specs = [models.ModelSpec("policy", cfg.model, init_from=cfg.checkpoint.init_from, lora=lora_cfg)]
-    needs_reference = pref.loss_type != "simpo"
-    if needs_reference and lora_cfg is None:
-        specs.append(models.ModelSpec("reference", cfg.model, init_from=cfg.checkpoint.init_from, trained=False))
-    warn_random_start(specs[0], "preference optimisation starts from")
-    built = models.build(cfg, devices, specs, [_batch_shape(cfg)])
-    reference = None
-    if needs_reference and lora_cfg is None:
-        reference = pair_step.Reference("reference", built.models["reference"].graphdef)
-    elif needs_reference:
-        reference = pair_step.Reference("base", abstract_model(cfg.model, built.mesh)[0])
-    loss = pair_step.dpo_objective(built.models["policy"].graphdef, pref, reference, "policy")
-    logging.info("%d steps of %s %s on %s (reference: %s)", cfg.total_steps, pref.method, pref.loss_type, pref.root,
-                 reference.source if reference else "none")
-    return Pairs(cfg, built, name="policy", loss=loss), built.state

@@ -2,7 +2,7 @@
 -> several clipped updates around the two seams each recipe fills, its step (`steps_for`) and its advantages
 (`with_advantages`) (docs/rl.md#the-grpo-recipe).
 
-    recipe, state = grpo.recipe.build(run_cfg)   # (or ppo.recipe.build) mesh, policy weights, LoRA, optimizer
+    recipe, state = GRPO.build(run_cfg)   # (or PPO.build) mesh, policy weights, LoRA, optimizer
     recipe.start(state, data_state)              # the prompt pool (and where a resumed run left it)
     state, summary = trainer.fit(recipe, state, ...)
 

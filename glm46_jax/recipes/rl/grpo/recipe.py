@@ -54,14 +54,16 @@ class GRPO(RLRecipe):
                                                               rl.adv_eps), np.float32)
         return batch, {}
 
+    @staticmethod
+    def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[GRPO, TrainState]:
+        """Mesh -> policy weights -> (adapters) -> optimizer -> train state, prompts and rewards; nothing sampled."""
+        rl = cfg.rl
+        check_rl(cfg)
+        inputs = rl_inputs(cfg)
+        spec = policy_spec(cfg)
+        warn_random_start(spec, "reinforcement learning from")
+        built = models.build(cfg, devices, [spec], [rollout_batch(cfg)])
+        logging.info("%d GRPO steps (%d per rollout) on %s", cfg.total_steps, rl.updates_per_rollout, rl.prompts)
+        recipe = GRPO(cfg, built, reference_weights(cfg, built), scorer=model_scorer(cfg, built.mesh), **inputs)
+        return recipe, built.state
 
-def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[GRPO, TrainState]:
-    """Mesh -> policy weights -> (adapters) -> optimizer -> train state, prompts and rewards; nothing sampled."""
-    rl = cfg.rl
-    check_rl(cfg)
-    inputs = rl_inputs(cfg)
-    spec = policy_spec(cfg)
-    warn_random_start(spec, "reinforcement learning from")
-    built = models.build(cfg, devices, [spec], [rollout_batch(cfg)])
-    logging.info("%d GRPO steps (%d per rollout) on %s", cfg.total_steps, rl.updates_per_rollout, rl.prompts)
-    return GRPO(cfg, built, reference_weights(cfg, built), scorer=model_scorer(cfg, built.mesh), **inputs), built.state

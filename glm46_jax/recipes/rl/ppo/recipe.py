@@ -119,6 +119,22 @@ class PPO(RLRecipe):
             stats["kl_rollout"] = float(np.sum(np.asarray(kl) * mask) / n)
         return batch, stats
 
+    @staticmethod
+    def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[PPO, TrainState]:
+        """Mesh -> policy, critic (and KL reference) -> optimizers -> train state, prompts and rewards; nothing
+        sampled."""
+        rl = cfg.rl
+        check_rl(cfg)
+        inputs = rl_inputs(cfg)
+        policy = policy_spec(cfg)
+        warn_random_start(policy, "PPO from")
+        critic = critic_spec(cfg)
+        built = models.build(cfg, devices, [policy, critic], [rollout_batch(cfg)])
+        logging.info("%d PPO steps (%d per rollout) on %s; critic from %s", cfg.total_steps, rl.updates_per_rollout,
+                     rl.prompts, critic.init_from or "a random init")
+        recipe = PPO(cfg, built, reference_weights(cfg, built), scorer=model_scorer(cfg, built.mesh), **inputs)
+        return recipe, built.state
+
 
 @functools.partial(jax.jit, static_argnames=("whiten",))
 def rollout_advantages(scores, mask, values, kl, kl_coef, gamma, lam, whiten: bool):
@@ -156,17 +172,3 @@ def critic_spec(cfg: RunConfig) -> models.ModelSpec:
     return models.ModelSpec("critic", dataclasses.replace(model_cfg, score_head=1), init_from=source,
                             lora=cfg.lora if ppo.critic_method == "lora" else None, optim=optim, seed_offset=1)
 
-
-def build(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[PPO, TrainState]:
-    """Mesh -> policy, critic (and KL reference) -> optimizers -> train state, prompts and rewards; nothing
-    sampled."""
-    rl = cfg.rl
-    check_rl(cfg)
-    inputs = rl_inputs(cfg)
-    policy = policy_spec(cfg)
-    warn_random_start(policy, "PPO from")
-    critic = critic_spec(cfg)
-    built = models.build(cfg, devices, [policy, critic], [rollout_batch(cfg)])
-    logging.info("%d PPO steps (%d per rollout) on %s; critic from %s", cfg.total_steps, rl.updates_per_rollout,
-                 rl.prompts, critic.init_from or "a random init")
-    return PPO(cfg, built, reference_weights(cfg, built), scorer=model_scorer(cfg, built.mesh), **inputs), built.state

@@ -88,9 +88,9 @@ def _drop_executables():
     gc.collect()
 
 
-# Python's cyclic collector scans every live object of its oldest generation, and a test process holds several hundred
-# thousand (jaxprs, MLIR, compiled programs): its full collections took 4-6% of the test time (measured: tests/README.md).
-# So the objects that exist once the tests are collected (the imported libraries) are frozen out of
+# Python's cyclic collector scans every live object of its oldest generation, and a test process holds several
+# hundred thousand (jaxprs, MLIR, compiled programs): its full collections took 4-6% of the test time (measured:
+# tests/README.md). So the objects that exist once the tests are collected (the imported libraries) are frozen out of
 # collection, and the young generation is collected every 10,000 allocations instead of 700. Memory still comes
 # back: each test file ends with a full collection (above).
 GC_THRESHOLDS = (10_000, 20, 100)

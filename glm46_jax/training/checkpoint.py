@@ -55,10 +55,16 @@ class _OrbaxInfoFilter(std_logging.Filter):
         return record.levelno >= std_logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
-def _quiet_orbax() -> None:
+def _setup_orbax() -> None:
     absl_logger = logging.get_absl_logger()
     if not any(isinstance(f, _OrbaxInfoFilter) for f in absl_logger.filters):
         absl_logger.addFilter(_OrbaxInfoFilter())
+    # Replicated arrays are written whole by their first replica: Orbax's replica-parallel default (off GPU) compiles a
+    # slice per leaf shape and device (docs/performance.md#checkpoint-saves-on-a-multi-device-cpu-mesh).
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
+    if getattr(handler, "_use_replica_parallel", False):  # Orbax's own field: only its constructor sets it
+        ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+            use_replica_parallel=False, array_metadata_store=handler._array_metadata_store), override=True)
 
 
 def _model_tree(params: nnx.State, buffers: nnx.State) -> dict[str, Any]:
@@ -105,7 +111,7 @@ def _all_processes_json(obj: Any) -> list[Any]:
 
 def _manager(directory: str, every: int = 1, keep: int | None = None, *, async_save: bool = True,
              best_metric: str | None = None) -> ocp.CheckpointManager:
-    _quiet_orbax()
+    _setup_orbax()
     # The last `keep` steps, and with `best_metric` also the best one by it (lower is better). Spelled out as
     # a preservation policy: Orbax's `best_fn` option alone would keep *only* the best `keep` and could delete
     # the newest step (e.g. a preemption save). Orbax deletes an old step only after the new one is committed.
@@ -352,7 +358,7 @@ def restore_model(step_dir: str, params: nnx.State, buffers: nnx.State) -> tuple
         x.shape, x.dtype, sharding=x.sharding), wanted), cfg)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                           _model_tree(*in_order))
-    _quiet_orbax()
+    _setup_orbax()
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(os.path.join(step_dir, "model"), target)
     params, buffers = jax.tree.map(lambda x: x, in_order)  # new containers, the caller's left as they are

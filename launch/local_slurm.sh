@@ -50,8 +50,9 @@ SlurmctldHost=$host
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-# A job step credential lives 30 s instead of 120: this is also how long a requeued job waits before it runs again.
-AuthInfo=cred_expire=30
+# A job step credential lives 10 s instead of 120 (Slurm's minimum is 5): a requeued job waits that long + 1 s
+# before it runs again, until the node has forgotten the old run's revoked credentials.
+AuthInfo=cred_expire=10
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool
 SlurmctldPidFile=$DIR/run/slurmctld.pid

@@ -167,16 +167,18 @@ def runs(tmp_path_factory, sample_corpus):
     one = str(tmp_path_factory.mktemp("one_process"))
     _finish(_launch(1, one, sample_corpus, devices=8), one, 1)
     two = str(tmp_path_factory.mktemp("two_processes"))
+    # The two-process launches' own compilation cache, to see which programs each launch wrote.
+    cache = str(tmp_path_factory.mktemp("two_processes_xla_cache"))
     out: dict = {"one": one, "two": two}
 
-    proc = _launch(2, two, sample_corpus, devices=4, logs="logs_preempt")
+    proc = _launch(2, two, sample_corpus, devices=4, logs="logs_preempt", JAX_COMPILATION_CACHE_DIR=cache)
     _wait_for(proc, two, "logs_preempt", lambda: max(_losses(two), default=0) >= 2, "step 2")
     os.kill(_pid(two, 1, "logs_preempt"), signal.SIGTERM)
     proc.communicate(timeout=300)
     out.update(preempt_rc=proc.returncode, preempt_steps=_steps(two),
-               preempt_logs=[_log(two, i, "logs_preempt") for i in range(2)])
+               preempt_logs=[_log(two, i, "logs_preempt") for i in range(2)], cached_first=_programs(cache))
 
-    proc = _launch(2, two, sample_corpus, devices=4, logs="logs_kill")
+    proc = _launch(2, two, sample_corpus, devices=4, logs="logs_kill", JAX_COMPILATION_CACHE_DIR=cache)
     kill_after = max(out["preempt_steps"]) + 2  # both processes are surely training by then
     _wait_for(proc, two, "logs_kill", lambda: max(_losses(two)) >= kill_after, f"step {kill_after}")
     os.kill(_pid(two, 1, "logs_kill"), signal.SIGKILL)
@@ -191,12 +193,18 @@ def runs(tmp_path_factory, sample_corpus):
     # not change). The processes compare their host time every 2 steps; process 0's exporter is scraped while it
     # lingers after the run.
     proc = _launch(2, two, sample_corpus, devices=4, logs="logs_restart", GLM46_FAULTS=f"slow_process=1,slow_s={SLOW_S}",
-                   flags=("--config.monitor.straggler_every=2", "--config.monitor.sinks=jsonl,prometheus",
+                   JAX_COMPILATION_CACHE_DIR=cache, flags=("--config.monitor.straggler_every=2", "--config.monitor.sinks=jsonl,prometheus",
                           "--config.monitor.prometheus_port=0", "--config.monitor.prometheus_linger_s=5"))
     out["straggler_scrape"] = _scrape_at_the_end(proc, two, "logs_restart")
     out["resumed_log"] = _finish(proc, two, 2, "logs_restart")
     out["resumed_log_1"] = _log(two, 1, "logs_restart")
+    out["cached_last"] = _programs(cache)
     return out
+
+
+def _programs(cache: str) -> list[str]:
+    """The programs in a JAX compilation cache directory, one entry per key (`jit_step-<hash>`)."""
+    return sorted(name.removesuffix("-cache") for name in os.listdir(cache) if name.endswith("-cache"))
 
 
 def _scrape_at_the_end(proc: subprocess.Popen, run_dir: str, logs: str) -> str:
@@ -216,6 +224,17 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step(runs):
     assert 2 <= stopped < STEPS, runs["preempt_steps"]
     for log in runs["preempt_logs"]:  # each process says it saved that step, the one they agreed on
         assert f"preemption notice (SIGTERM to one of the processes): saved step {stopped} and stopping" in log
+
+
+@pytest.mark.slow
+def test_a_relaunch_reads_every_process_programs_from_the_cache(runs):
+    """On CPU each process's programs have their own cache keys, and JAX writes only process 0's: process 1
+    compiled the model's init and train step again at every launch. Both now write theirs at the first launch, and
+    the two relaunches compile neither again (each would be a new entry)."""
+    for program in ("jit_make", "jit_step"):
+        first = [p for p in runs["cached_first"] if p.startswith(program + "-")]
+        assert len(first) == 2, (program, runs["cached_first"])  # process 0's and process 1's
+        assert [p for p in runs["cached_last"] if p.startswith(program + "-")] == first, runs["cached_last"]
 
 
 @pytest.mark.slow

@@ -185,23 +185,49 @@ def initialize(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> 
             f"process {cluster.process_id} of {cluster.num_processes} could not join the job at {cluster.coordinator} "
             f"(from {cluster.source}) within {init_s} s: are all {cluster.num_processes} processes started (under "
             f"Slurm, with srun, not plain python in the batch script), and can this host reach that port?") from e
+    if jax.default_backend() == "cpu":
+        _cache_on_every_process()
     logging.info("process %d of %d (%s), coordinator %s; %d local of %d devices", cluster.process_id,
                  cluster.num_processes, cluster.source, cluster.coordinator, jax.local_device_count(),
                  jax.device_count())
     return cluster
 
 
+def _cache_on_every_process() -> None:
+    """On CPU, every process writes its programs to JAX's persistent compilation cache, not only process 0.
+
+    JAX keys a CPU program by the topology of the process's own devices, so the processes of a job never share
+    entries, and it writes process 0's only: the others compiled every program again at every launch (a resumed or
+    requeued job; on the tiny model ~15 s before the first step). Now each reads back its own. On GPU the key is the
+    same in every process and process 0's entries serve them all (unchanged). Private API: none exists for this."""
+    from jax._src import compilation_cache, compiler, config, distributed as jax_distributed
+
+    write = getattr(compiler, "_cache_write", None)
+    if write is None or getattr(write, "every_process", False):
+        return
+
+    def write_every_process(cache_key, compile_time_secs, module_name, backend, executable):
+        if jax_distributed.global_state.process_id == 0 or backend.platform != "cpu":
+            return write(cache_key, compile_time_secs, module_name, backend, executable)
+        if compile_time_secs >= config.persistent_cache_min_compile_time_secs.value:  # JAX's own threshold
+            compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
+                                                      int(compile_time_secs))
+
+    write_every_process.every_process = True
+    compiler._cache_write = write_every_process
+
+
 # --- lining processes up ----------------------------------------------------------------------
 
 _barriers = itertools.count()
-BARRIER_TIMEOUT_S = 3600  # how far one process may trail another after a compile (only process 0 reads the cache)
+BARRIER_TIMEOUT_S = 3600  # how far one process may trail another after a compile (another read the cache)
 
 
 def barrier(name: str, timeout_s: int = BARRIER_TIMEOUT_S) -> None:
     """Wait until every process gets here (the coordination service's barrier; nothing with one process).
     Call it between compiling a program and its first run: on CPU a program's first collective opens a Gloo
-    communicator, which waits only 30 s for the other processes, and process 0 alone reads JAX's persistent
-    compilation cache (the others compile), so it can arrive minutes early. Every process must make the same
+    communicator, which waits only 30 s for the other processes, and a process that reads the program from JAX's
+    persistent compilation cache can arrive minutes before one that compiles it. Every process must make the same
     calls in the same order (the counter keeps the ids unique)."""
     if jax.process_count() == 1:
         return

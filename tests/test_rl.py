@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import randomize_params
+from optimized_code import optimized
 
 from glm46_jax.parallel import sharding
 from glm46_jax.config import TINY
@@ -327,7 +328,8 @@ def addition_sft(tmp_path_factory):
         c.sft.root = os.path.join(data, "sft")
         c.monitor.sinks = "jsonl"
         c.checkpoint.async_save = False
-    train.train(run_config.from_config_dict(c), jax.devices()[:1])
+    with optimized():  # the RL stage's runs below run their programs far more than they compile them
+        train.train(run_config.from_config_dict(c), jax.devices()[:1])
     return root, data
 
 
@@ -351,7 +353,8 @@ def _heldout_gains(addition_sft, config: str, preset: str) -> list[tuple[float, 
             c.rl.update(prompts=os.path.join(data, "prompts_train.jsonl"),
                         heldout=os.path.join(data, "prompts_heldout.jsonl"))
         assert c.rl.rollouts == RL_DEMO_ROLLOUTS  # the preset as documented, not a shortened run
-        train.train(run_config.from_config_dict(c), jax.devices()[:1])
+        with optimized():  # 150 rollouts: LLVM -O2 (tests/optimized_code.py)
+            train.train(run_config.from_config_dict(c), jax.devices()[:1])
         with open(os.path.join(c.run_dir, "heldout.json")) as f:
             r = json.load(f)
         assert r["problems"] == 500

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import float64_nll, subprocess_env
+from optimized_code import optimized
 
 from glm46_jax.training import checkpoint
 from glm46_jax import cli
@@ -215,7 +216,8 @@ def test_after_sft_generation_ends_its_turn_at_user(tmp_path, base, chats):
     run_dir = str(tmp_path / "turns")
     overrides = {**_overrides(run_dir, base, chats, steps=60, method="full"), "optim.lr": 3e-3,
                  "optim.end_lr": 3e-4}
-    train(from_config_dict(_config(**overrides)), jax.devices()[:1])
+    with optimized():  # 60 steps: a test that runs its programs more than it compiles them (tests/optimized_code.py)
+        train(from_config_dict(_config(**overrides)), jax.devices()[:1])
     tok = Tokenizer.from_file(os.path.join(chats, "tokenizer.json"))
     user = tok.token_to_id("<|user|>")
     questions = ["What is 12 + 7?", "Reverse the word 'planet'.", "What is the first letter of 'rocket'?",

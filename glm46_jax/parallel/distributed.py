@@ -200,7 +200,8 @@ def _cache_on_every_process() -> None:
     entries, and it writes process 0's only: the others compiled every program again at every launch (a resumed or
     requeued job; on the tiny model ~15 s before the first step). Now each reads back its own. On GPU the key is the
     same in every process and process 0's entries serve them all (unchanged). Private API: none exists for this."""
-    from jax._src import compilation_cache, compiler, config, distributed as jax_distributed
+    from jax._src import compilation_cache, compiler, config
+    from jax._src import distributed as jax_distributed
 
     write = getattr(compiler, "_cache_write", None)
     if write is None or getattr(write, "every_process", False):

@@ -178,6 +178,30 @@ def sample_corpus(tmp_path_factory):
     return out
 
 
+def init_placed(cfg, mesh, seed: int = 0):
+    """`init_model(cfg, mesh, seed)` for tests about what runs on a mesh, not about init: the one-device init (one
+    compiled program per config in a process, which the one-device reference compiles anyway) moved onto `mesh` in
+    its layout, the MoE stack in pipeline slot order, as a checkpoint restore places weights. Compiling the init for
+    each test mesh cost 2-6 s per mesh (test_pipeline + test_context_parallel alone: 330 -> 311 s). Init on a mesh
+    itself is checked against one device in test_sharding (data x tensor x expert) and test_pipeline (pipeline
+    stages, through a checkpoint)."""
+    import numpy as np
+    from flax import nnx
+
+    from glm46_jax.model import abstract_model, init_model, pipeline
+
+    _, params, buffers = init_model(cfg, sharding.make_mesh({"data": 1}, jax.devices()[:1]), seed)
+    graphdef, *like = abstract_model(cfg, mesh)
+    # As checkpoint.restore_model does: the values in layer order in the target's containers, then its layout. On the
+    # host, so nothing is committed to the one device: jit and device_put place them on `mesh`.
+    tree = jax.tree.map(lambda x: x, pipeline.layer_order_target(tuple(like), cfg))
+    for container, values in zip(tree, (params, buffers), strict=True):
+        nnx.replace_by_pure_dict(container, jax.tree.map(np.asarray, nnx.to_pure_dict(values)))
+    placed = pipeline.in_slot_order(tree, cfg, like=tuple(like))
+    put = [jax.device_put(x, a.sharding) for x, a in zip(jax.tree.leaves(placed), jax.tree.leaves(like), strict=True)]
+    return graphdef, *jax.tree.unflatten(jax.tree.structure(tuple(like)), put)
+
+
 def float64_nll(graphdef, params, buffers, mesh, batch):
     """Next-token NLL per position of a packed batch (NumPy arrays: inputs, positions, segment_ids, targets)
     in float64: the model's logits log-softmaxed in NumPy, the tests' reference for the CEs the code reports."""

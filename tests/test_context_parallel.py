@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import init_placed
 
 from glm46_jax import run_config
 from glm46_jax.parallel import sharding
@@ -151,7 +152,7 @@ def test_context_shards_compose_with_pipeline_stages(mesh1, mesh_shape, rows):
     _, params, buffers = init_model(cfg, mesh1, seed=0)
     want_metrics, want_grads, want_logits, want_mtp = _run(cfg, mesh1, params, buffers, batch)
     mesh = sharding.make_mesh(mesh_shape, cfg=cfg, global_batch=rows)
-    _, params, buffers = init_model(cfg, mesh, seed=0)  # the same weights, the MoE stack in stage slot order
+    _, params, buffers = init_placed(cfg, mesh, seed=0)  # the same weights, the MoE stack in stage slot order
     metrics, grads, logits, mtp_logits = _run(cfg, mesh, params, buffers, batch)
     _close(logits, want_logits, "logits")
     _close(mtp_logits, want_mtp, "mtp logits")
@@ -184,7 +185,7 @@ def test_generation_and_rl_refuse_a_context_mesh():
     with pytest.raises(InputError, match=r"mesh.context=2 with recipe grpo: .* set mesh.context=1"):
         run_config.from_config_dict(rl)
     mesh = sharding.make_mesh({"context": 2, "data": 4}, cfg=CFG)
-    graphdef, params, buffers = init_model(CFG, mesh)
+    graphdef, params, buffers = init_placed(CFG, mesh)
     with sharding.use_mesh(mesh), pytest.raises(ValueError, match="generation keeps each sequence whole"):
         apply(graphdef, params, buffers, jnp.zeros((8, 1), jnp.int32), jnp.zeros((8, 1), jnp.int32),
               cache=GenerationCache.zeros(CFG, 8, 4), index=0, start=jnp.zeros(8, jnp.int32))

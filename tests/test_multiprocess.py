@@ -193,7 +193,8 @@ def runs(tmp_path_factory, sample_corpus):
     # not change). The processes compare their host time every 2 steps; process 0's exporter is scraped while it
     # lingers after the run.
     proc = _launch(2, two, sample_corpus, devices=4, logs="logs_restart", GLM46_FAULTS=f"slow_process=1,slow_s={SLOW_S}",
-                   JAX_COMPILATION_CACHE_DIR=cache, flags=("--config.monitor.straggler_every=2", "--config.monitor.sinks=jsonl,prometheus",
+                   JAX_COMPILATION_CACHE_DIR=cache,
+                   flags=("--config.monitor.straggler_every=2", "--config.monitor.sinks=jsonl,prometheus",
                           "--config.monitor.prometheus_port=0", "--config.monitor.prometheus_linger_s=5"))
     out["straggler_scrape"] = _scrape_at_the_end(proc, two, "logs_restart")
     out["resumed_log"] = _finish(proc, two, 2, "logs_restart")

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import init_placed
 
 from glm46_jax.training import checkpoint
 from glm46_jax import run_config
@@ -114,7 +115,7 @@ def _schedule_equals_the_layers_in_sequence(layers, stages, repeats, micro):
 def _model_run(cfg, mesh, batch):
     """(loss metrics, gradients in layer order, logits, MTP logits) of the tiny model on `mesh`."""
     with sharding.use_mesh(mesh):
-        graphdef, params, buffers = init_model(cfg, mesh, seed=0)
+        graphdef, params, buffers = init_placed(cfg, mesh, seed=0)
         put = {k: jax.device_put(v, jax.NamedSharding(mesh, sharding.logical("batch", None))) for k, v in batch.items()}
         grad_fn = jax.value_and_grad(lambda p: loss_fn(p, buffers, put, graphdef, cfg), has_aux=True)
         (_, metrics), grads = jax.jit(grad_fn)(params)
@@ -167,7 +168,7 @@ OPTIM = OptimConfig(lr=1e-2, end_lr=1e-3, warmup_steps=0, decay_steps=100)
 
 
 def _train(cfg, mesh, steps):
-    graphdef, params, buffers = init_model(cfg, mesh, 0)
+    graphdef, params, buffers = init_placed(cfg, mesh, 0)
     tx, schedule = build_optimizer(OPTIM, params)
     with sharding.use_mesh(mesh):
         state = init_state(params, buffers, tx)
@@ -217,7 +218,8 @@ def test_training_on_data_pipeline_expert_gives_the_one_device_losses(mesh1, tmp
 
 def test_weights_saved_on_a_pipeline_mesh_load_anywhere(tmp_path):
     """save_params from pipeline=2 (3 MoE layers on 2 stages: padded) writes the layer-order stack that
-    load_params reads on one device, and on pipeline=2 again into the slot layout."""
+    load_params reads on one device, and on pipeline=2 again into the slot layout. What it writes is the one-device
+    init: init on a pipeline mesh gives the same weights (the tests above take them placed: conftest.init_placed)."""
     cfg = TINY.replace(num_hidden_layers=4)
     mesh = sharding.make_mesh({"pipeline": 2, "data": 4}, cfg=cfg)
     _, params, buffers = init_model(cfg, mesh, 0)
@@ -251,7 +253,7 @@ def test_unsupported_combinations_are_config_errors():
     with pytest.raises(InputError, match=r"mesh.pipeline=2 with recipe grpo: .* set mesh.pipeline=1"):
         run_config.from_config_dict(rl)
     one = sharding.make_mesh({"pipeline": 2, "data": 4}, cfg=TINY.replace(num_hidden_layers=3))
-    graphdef, params, buffers = init_model(TINY.replace(num_hidden_layers=3), one)
+    graphdef, params, buffers = init_placed(TINY.replace(num_hidden_layers=3), one)
     with sharding.use_mesh(one), pytest.raises(ValueError, match="generation runs the layers in order"):
         apply(graphdef, params, buffers, jnp.zeros((8, 1), jnp.int32), jnp.zeros((8, 1), jnp.int32),
               cache=GenerationCache.zeros(TINY.replace(num_hidden_layers=3), 8, 4), index=0,

@@ -199,7 +199,8 @@ def _cache_on_every_process() -> None:
     JAX keys a CPU program by the topology of the process's own devices, so the processes of a job never share
     entries, and it writes process 0's only: the others compiled every program again at every launch (a resumed or
     requeued job; on the tiny model ~15 s before the first step). Now each reads back its own. On GPU the key is the
-    same in every process and process 0's entries serve them all (unchanged). Private API: none exists for this."""
+    same in every process and process 0's entries serve them all (unchanged). Private API: none exists for this
+    (docs/performance.md#a-relaunch-of-a-multi-process-cpu-job)."""
     from jax._src import compilation_cache, compiler, config
     from jax._src import distributed as jax_distributed
 

@@ -209,7 +209,7 @@ def _cache_on_every_process() -> None:
         return
 
     def write_every_process(cache_key, compile_time_secs, module_name, backend, executable):
-        if jax_distributed.global_state.process_id == 0 or backend.platform != "cpu":
+        if jax_distributed.global_state.process_id == 0:
             return write(cache_key, compile_time_secs, module_name, backend, executable)
         if compile_time_secs >= config.persistent_cache_min_compile_time_secs.value:  # JAX's own threshold
             compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,

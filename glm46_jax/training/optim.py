@@ -262,8 +262,9 @@ def sharded_update(tx: optax.GradientTransformation) -> optax.GradientTransforma
     """`tx` whose update runs under `jax.sharding.auto_axes`, outputs pinned to the input shardings.
 
     Newton-Schulz's X @ X.T cannot be typed in Explicit mode when a matrix axis is sharded; in Auto
-    mode XLA picks the collectives (many: docs/performance.md#muon-on-a-sharded-mesh-the-collectives). Updates come back sharded like the grads, the new opt state like
-    the old one. Without a mesh in context (or with an empty one) this is `tx.update` unchanged.
+    mode XLA picks the collectives (many: docs/performance.md#muon-on-a-sharded-mesh-the-collectives).
+    Updates come back sharded like the grads, the new opt state like the old one. Without a mesh in
+    context (or with an empty one) this is `tx.update` unchanged.
     """
 
     def update(updates, state, params=None):

@@ -374,6 +374,70 @@ def test_schedules(name, kw, points):
         assert float(sched(step)) == pytest.approx(want, abs=1e-5), (name, step)
 
 
+def _optax_schedule(cfg: OptimConfig):
+    """The schedule as optax builds it (what make_schedule returned before its numbers became step inputs)."""
+    w, total = cfg.warmup_steps, cfg.decay_steps
+    warm = optax.linear_schedule(0.0, cfg.lr, w)
+    if cfg.schedule == "warmup_cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, w, max(total, w + 1), cfg.end_lr)
+    if cfg.schedule == "wsd":
+        d = cfg.wsd_decay_steps or max(1, total // 10)
+        return optax.join_schedules([warm, optax.constant_schedule(cfg.lr),
+                                     optax.linear_schedule(cfg.lr, cfg.end_lr, d)], [w, total - d])
+    if cfg.schedule == "cosine_restarts":
+        cycle = total // cfg.restarts
+        return optax.sgdr_schedule([dict(init_value=0.0 if i == 0 else cfg.end_lr, peak_value=cfg.lr, warmup_steps=w,
+                                         decay_steps=cycle, end_value=cfg.end_lr) for i in range(cfg.restarts)])
+    return optax.join_schedules([warm, optax.constant_schedule(cfg.lr)], [w])
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("warmup_cosine", dict(lr=3e-3, end_lr=3e-4, warmup_steps=7, decay_steps=97)),
+    ("warmup_cosine", dict(lr=2.5e-4, end_lr=2.5e-5, warmup_steps=0, decay_steps=0)),  # decay_steps 0: warmup + 1
+    ("warmup_cosine", dict(lr=0.0, end_lr=0.0, warmup_steps=3, decay_steps=40)),
+    ("wsd", dict(lr=1e-2, end_lr=1e-3, warmup_steps=5, decay_steps=90, wsd_decay_steps=17)),
+    ("cosine_restarts", dict(lr=1e-2, end_lr=1e-3, warmup_steps=4, decay_steps=101, restarts=3)),
+    ("constant", dict(lr=7e-3, warmup_steps=9)),
+])
+def test_schedule_numbers_as_step_inputs_equal_optax(name, kw):
+    """The schedule's numbers are inputs of the train step (one program for every lr, warmup and length). With them
+    as constants the values are optax's schedule's to the last bit; as inputs, within a few float32 ulps (XLA divides
+    by a constant divisor differently from a runtime one, and 1 + cos near pi magnifies it: optax's own values differ
+    as much between jit and eager)."""
+    cfg = OptimConfig(schedule=name, **kw)
+    sched, reference = make_schedule(cfg), _optax_schedule(cfg)
+    counts = jnp.arange(0, 2 * max(cfg.decay_steps, cfg.warmup_steps + 1) + 3, dtype=jnp.int32)
+    want = np.asarray(jax.jit(jax.vmap(reference))(counts))
+    baked = np.asarray(jax.jit(jax.vmap(sched))(counts))
+    as_inputs = np.asarray(jax.jit(jax.vmap(sched.at, in_axes=(0, None)))(counts, sched.inputs()))
+    np.testing.assert_array_equal(baked, want)
+    np.testing.assert_allclose(as_inputs, want, rtol=1e-6, atol=0)
+
+
+def test_runs_that_differ_only_in_schedule_numbers_share_one_step_program():
+    """Two optimizers whose lr, end_lr, warmup and length differ: the same compiled update (the numbers arrive as
+    inputs), each with its own schedule's result."""
+    params = {"w": jnp.ones((4, 4), jnp.float32), "embed_tokens": jnp.ones((8, 4), jnp.float32)}
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 0.5), params)
+    made = []
+    for kw in (dict(lr=1e-2, end_lr=1e-3, warmup_steps=2, decay_steps=20),
+               dict(lr=3e-3, end_lr=0.0, warmup_steps=0, decay_steps=7)):
+        tx, sched = build_optimizer(OptimConfig(**kw), params)
+        step = jax.jit(lambda g, s, p, x, tx=tx: tx.update(g, s, p, lr_inputs=x))
+        lowered = step.lower(grads, tx.init(params), params, sched.inputs())
+        made.append((lowered.as_text(debug_info=False), tx, sched))
+    assert made[0][0] == made[1][0]  # one program
+    updates = []
+    for _, tx, sched in made:  # ... and each run's own lr: its update after one step equals the constants' one
+        state = tx.update(grads, tx.init(params), params, lr_inputs=sched.inputs())[1]
+        upd, _ = tx.update(grads, state, params, lr_inputs=sched.inputs())
+        ref, _ = tx.update(grads, state, params)  # the numbers as constants
+        for key in params:
+            np.testing.assert_array_equal(np.asarray(upd[key]), np.asarray(ref[key]))
+        updates.append(np.asarray(upd["w"]))
+    assert not np.allclose(updates[0], updates[1])
+
+
 BAD_OPTIM_VALUES = [
     # lr 0 is valid: it freezes the weights (a run started from another's weights is tested that way).
     ("lr", -1.0), ("lr", float("nan")), ("end_lr", -2.5e-5), ("warmup_steps", -1),

@@ -12,6 +12,7 @@ recipe) and `LanguageModeling` (next-token training on token batches: pre-traini
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -53,6 +54,13 @@ class RecipeBase:
     @property
     def total_steps(self) -> int:
         return self.cfg.total_steps
+
+    @functools.cached_property
+    def lr_inputs(self) -> dict[str, dict[str, jax.Array]]:
+        """Each trained model's lr-schedule numbers by name: every step's controls["lr"], so they are inputs of the
+        compiled step rather than constants in it (training/schedule.py)."""
+        with jax.transfer_guard_host_to_device("allow"):
+            return {m.spec.name: m.lr_schedule.inputs() for m in self.built.models.values() if m.spec.trained}
 
     @property
     def global_rows(self) -> bool:
@@ -180,8 +188,8 @@ class LanguageModeling(RecipeBase):
     def controls_at(self, tokens_seen: int, max_loss: float = float("inf")):
         """The token-scheduled scalars for a step starting after `tokens_seen` tokens."""
         with jax.transfer_guard_host_to_device("allow"):
-            return controls(mtp_weight_at(self.cfg.loss, tokens_seen), rate_at(self.cfg.balance, tokens_seen),
-                            max_loss)
+            return {**controls(mtp_weight_at(self.cfg.loss, tokens_seen), rate_at(self.cfg.balance, tokens_seen),
+                               max_loss), "lr": self.lr_inputs}
 
     def device_batch(self, local: Mapping[str, np.ndarray], *, train: bool = True) -> dict[str, jax.Array]:
         if "segment_ids" in local:  # cuDNN's packed attention has a documents-per-row limit: refuse here, not NaN

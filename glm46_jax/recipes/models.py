@@ -36,6 +36,7 @@ from glm46_jax.parallel import sharding
 from glm46_jax.run_config import RunConfig
 from glm46_jax.training import checkpoint
 from glm46_jax.training.optim import OptimConfig, build_optimizer
+from glm46_jax.training.schedule import Schedule
 from glm46_jax.training.step import FrozenModel, ModelState, TrainState, init_opt_state
 
 
@@ -70,7 +71,7 @@ class Model:
     spec: ModelSpec
     graphdef: nnx.GraphDef
     tx: optax.GradientTransformation | None = None
-    lr_schedule: optax.Schedule | None = None
+    lr_schedule: Schedule | None = None
 
     @property
     def config(self) -> ModelConfig:

@@ -29,6 +29,8 @@ import optax
 from glm46_jax.errors import check_choice, check_field, check_range
 from glm46_jax.model.paths import LAYER_STACKS, path_names
 from glm46_jax.training.muon import NS_DTYPES, scale_by_consistent_rms, scale_by_muon
+from glm46_jax.training.schedule import KINDS as SCHEDULES
+from glm46_jax.training.schedule import Schedule, scale_by_schedule
 
 # --- the optimizer split (the plan tool counts optimizer state with it too) -----------------------
 
@@ -54,9 +56,6 @@ def optimizer_group(path: str | Sequence[Any], ndim: int | None = None, *, route
     if ndim is not None and ndim - (bool(names) and names[0] in LAYER_STACKS) < 2:
         return "adam"
     return "muon"
-
-
-SCHEDULES = ("warmup_cosine", "wsd", "cosine_restarts", "constant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,14 +117,12 @@ class OptimConfig:
 
 # --- schedules --------------------------------------------------------------------------------
 
-def lr_schedule(cfg: OptimConfig) -> optax.Schedule:
+def lr_schedule(cfg: OptimConfig) -> Schedule:
     """0 -> lr linearly over warmup_steps, then cosine to end_lr at decay_steps, flat after."""
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
-        decay_steps=max(cfg.decay_steps, cfg.warmup_steps + 1), end_value=cfg.end_lr)
+    return Schedule("warmup_cosine", cfg.lr, cfg.end_lr, cfg.warmup_steps, cfg.decay_steps)
 
 
-def make_schedule(cfg: OptimConfig) -> optax.Schedule:
+def make_schedule(cfg: OptimConfig) -> Schedule:
     """The schedule named by `cfg.schedule`; every one warms up linearly 0 -> lr over warmup_steps.
 
     warmup_cosine    GLM-4.5: cosine lr -> end_lr, ending at decay_steps (`lr_schedule`).
@@ -134,6 +131,8 @@ def make_schedule(cfg: OptimConfig) -> optax.Schedule:
     cosine_restarts  `restarts` equal cycles over decay_steps; the first warms up from 0, later ones
                      from end_lr; each cosines to end_lr (optax.sgdr_schedule).
     constant         warmup, then lr forever.
+
+    The numbers are inputs of the train step, not constants of it (training/schedule.py).
     """
     w, total = cfg.warmup_steps, cfg.decay_steps
     if cfg.schedule == "warmup_cosine":
@@ -143,21 +142,15 @@ def make_schedule(cfg: OptimConfig) -> optax.Schedule:
         check_field("optim", "wsd_decay_steps", d, w <= total - d,
                     f"warmup_steps={w} + wsd_decay_steps={d} exceed decay_steps={total}",
                     "lower --config.optim.wsd_decay_steps or --config.optim.warmup_steps")
-        return optax.join_schedules(
-            [optax.linear_schedule(0.0, cfg.lr, w), optax.constant_schedule(cfg.lr),
-             optax.linear_schedule(cfg.lr, cfg.end_lr, d)], boundaries=[w, total - d])
+        return Schedule("wsd", cfg.lr, cfg.end_lr, w, total, wsd_decay=d)
     if cfg.schedule == "cosine_restarts":
         n = max(1, cfg.restarts)
-        cycle = total // n
-        check_field("optim", "restarts", cfg.restarts, cycle > w,
-                    f"cycles of decay_steps / restarts = {cycle} steps must exceed warmup_steps={w}",
+        check_field("optim", "restarts", cfg.restarts, total // n > w,
+                    f"cycles of decay_steps / restarts = {total // n} steps must exceed warmup_steps={w}",
                     "lower --config.optim.restarts or --config.optim.warmup_steps")
-        return optax.sgdr_schedule([
-            dict(init_value=0.0 if i == 0 else cfg.end_lr, peak_value=cfg.lr, warmup_steps=w,
-                 decay_steps=cycle, end_value=cfg.end_lr) for i in range(n)])
+        return Schedule("cosine_restarts", cfg.lr, cfg.end_lr, w, total, restarts=n)
     if cfg.schedule == "constant":
-        return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, w), optax.constant_schedule(cfg.lr)],
-                                    boundaries=[w])
+        return Schedule("constant", cfg.lr, cfg.end_lr, w, total)
     raise ValueError(f"schedule={cfg.schedule!r}: expected one of {SCHEDULES}")
 
 
@@ -187,7 +180,7 @@ def _decay_mask(cfg: OptimConfig, group: str, adam_decayed: tuple[str, ...] = ("
     return lambda tree: jax.tree_util.tree_map_with_path(leaf, tree)
 
 
-def muon_adamw(cfg: OptimConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+def muon_adamw(cfg: OptimConfig, schedule: Schedule) -> optax.GradientTransformation:
     """Muon / AdamW partition + decoupled weight decay + lr (no clipping, no sharding wrapper).
 
     Equal per leaf to
@@ -205,7 +198,7 @@ def muon_adamw(cfg: OptimConfig, schedule: optax.Schedule) -> optax.GradientTran
         optax.add_decayed_weights(cfg.weight_decay, mask=_decay_mask(cfg, "muon")),
         optax.add_decayed_weights(cfg.adam_weight_decay, mask=_decay_mask(cfg, "adam")),
         *([scale_by_layer_decay(cfg.layer_decay)] if cfg.layer_decay != 1.0 else []),
-        optax.scale_by_learning_rate(schedule),
+        scale_by_schedule(schedule),
     )
 
 
@@ -267,19 +260,21 @@ def sharded_update(tx: optax.GradientTransformation) -> optax.GradientTransforma
     context (or with an empty one) this is `tx.update` unchanged.
     """
 
-    def update(updates, state, params=None):
+    tx = optax.with_extra_args_support(tx)
+
+    def update(updates, state, params=None, **extra):  # extra: `lr_inputs` (training/schedule.py)
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or not mesh.axis_names:
-            return tx.update(updates, state, params)
-        run = jax.sharding.auto_axes(lambda u, s, p: tx.update(u, s, p),
+            return tx.update(updates, state, params, **extra)
+        run = jax.sharding.auto_axes(lambda u, s, p, e: tx.update(u, s, p, **e),
                                      out_sharding=(_shardings(updates), _shardings(state)))
-        return run(updates, state, params)
+        return run(updates, state, params, extra)
 
-    return optax.GradientTransformation(tx.init, update)
+    return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
 def build_optimizer(cfg: OptimConfig, params: Any = None, *, sharded: bool = True,
-                    skip_nonfinite: bool = True) -> tuple[optax.GradientTransformation, optax.Schedule]:
+                    skip_nonfinite: bool = True) -> tuple[optax.GradientTransformation, Schedule]:
     """clip_by_global_norm(clip) -> Muon/AdamW (`muon_adamw`), or AdamW alone with `algorithm="adamw"`, and its
     schedule (`make_schedule`).
 
@@ -296,13 +291,15 @@ def build_optimizer(cfg: OptimConfig, params: Any = None, *, sharded: bool = Tru
 
 @functools.cache
 def _optimizer(cfg: OptimConfig, sharded: bool, skip_nonfinite: bool
-               ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+               ) -> tuple[optax.GradientTransformation, Schedule]:
     # One object per configuration in a process: the train step built on it is then the same jitted function
     # too (training/step.py), and a second run in the process (a resume, another seed) traces nothing again.
     schedule = make_schedule(cfg)
     if cfg.algorithm == "adamw":
         matrices = lambda tree: jax.tree.map(lambda x: x.ndim >= 2, tree)  # noqa: E731
-        inner = optax.adamw(schedule, cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay, mask=matrices)
+        inner = optax.chain(  # optax.adamw(schedule, ...) with the schedule's numbers as inputs (the same state)
+            optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps),
+            optax.add_decayed_weights(cfg.weight_decay, matrices), scale_by_schedule(schedule))
     else:
         inner = muon_adamw(cfg, schedule)
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip), inner)

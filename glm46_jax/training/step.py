@@ -32,8 +32,11 @@ from glm46_jax.config import ModelConfig
 from glm46_jax.model import pipeline
 from glm46_jax.training import balancing
 from glm46_jax.training.loss import Batch, LossConfig, batch_norms, loss_fn
+from glm46_jax.training.schedule import Schedule
 
-Controls = dict[str, Array]  # "mtp_weight", "bias_rate": float32 scalars chosen by the host per step
+# "mtp_weight", "bias_rate", "max_loss": float32 scalars chosen by the host per step; "lr": each trained model's
+# schedule numbers by name (`Schedule.inputs()`), optional
+Controls = dict[str, Any]
 
 
 @struct.dataclass
@@ -130,7 +133,7 @@ def whole_models(params: Mapping[str, nnx.State], buffers: Mapping[str, nnx.Stat
 
 def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], main: str, *, accum_steps: int = 1,
               batch_stats: Callable[[Batch], dict[str, Array]] | None = None,
-              after_update: Callable | None = None, lr_schedule: optax.Schedule | None = None) -> Callable:
+              after_update: Callable | None = None, lr_schedule: Schedule | None = None) -> Callable:
     """The one update step every recipe's loss plugs into: step(state, batch, controls, frozen) -> (state, metrics),
     jitted with the state donated; trace and call it inside `sharding.use_mesh(mesh)`.
 
@@ -178,10 +181,15 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
         grad_norm = optax.tree.norm(grads)
         grads = jax.tree.map(lambda g: jnp.where(spike, jnp.nan, g), grads)
         before = _finite_state(state.opt_state)
+        lr_inputs = ctrl.get("lr", {})
         new, all_updates = {}, {}
         with jax.named_scope("optimizer"):  # clip, Muon/AdamW, the non-finite skip and the apply, in profiles
             for name, m in models.items():
-                updates, opt_state = txs[name].update(grads[name], m.opt_state, m.params)
+                # The lr schedule's numbers, when the controls carry them (the recipes' do), are inputs of the
+                # program, not constants in it (training/schedule.py).
+                extra = {"lr_inputs": lr_inputs[name]} if name in lr_inputs else {}
+                tx = optax.with_extra_args_support(txs[name])
+                updates, opt_state = tx.update(grads[name], m.opt_state, m.params, **extra)
                 new[name] = ModelState(optax.apply_updates(m.params, updates), m.buffers, opt_state)
                 all_updates[name] = updates
         after = _finite_state(new[main].opt_state)
@@ -202,7 +210,7 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
             out["nonfinite_in_a_row"] = jnp.int32(0)  # the trainer reads it every step
         if lr_schedule is not None:  # the lr of this update: optax counts applied updates only
             applied_before = state.step - (before.total_notfinite if before is not None else 0)
-            out["lr"] = jnp.asarray(lr_schedule(applied_before), jnp.float32)
+            out["lr"] = jnp.asarray(lr_schedule.at(applied_before, lr_inputs.get(main)), jnp.float32)
         return state.with_models(main, new).replace(step=state.step + 1), out
 
     return jax.jit(step, donate_argnums=(0,))
@@ -213,7 +221,7 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
 # next call) gets the jitted function it already traced and compiled for the same shapes and mesh.
 @functools.cache
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: ModelConfig,
-                    step_cfg: StepConfig = StepConfig(), *, lr_schedule: optax.Schedule | None = None,
+                    step_cfg: StepConfig = StepConfig(), *, lr_schedule: Schedule | None = None,
                     name: str = "model") -> Callable[[TrainState, Batch, Controls, Frozen], tuple[TrainState, dict]]:
     """The language-model step (pre-training, mid-training, SFT): `loss.loss_fn` (CE, MTP, aux) in `make_step`,
     then the loss-free balancing bias step from the global batch's expert loads.

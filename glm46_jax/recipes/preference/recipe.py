@@ -85,7 +85,7 @@ class Pairs(RecipeBase):
         data_state = {"iterator": iterator_state.to_json(self.data), "tokens_seen": self.tokens_seen}
         batch = loader.to_global(local, self.mesh, accum_steps=self.cfg.train.accum_steps)
         with jax.transfer_guard_host_to_device("allow"):
-            controls = {"max_loss": jnp.float32(max_loss)}
+            controls = {"max_loss": jnp.float32(max_loss), "lr": self.lr_inputs}
         return StepInput(self.segment, batch, controls, self.tokens_seen, data_state)
 
     def steps_for(self, segment: Any) -> Any:

@@ -31,6 +31,7 @@ from glm46_jax.parallel import sharding
 from glm46_jax.recipes.preference import objective
 from glm46_jax.recipes.preference.config import PreferenceConfig
 from glm46_jax.training.loss import nll_and_lse
+from glm46_jax.training.schedule import Schedule
 from glm46_jax.training.step import LossFn, make_step, whole_models
 
 Batch = dict[str, Array]
@@ -154,7 +155,7 @@ def dpo_objective(graphdef: nnx.GraphDef, pref: PreferenceConfig, reference: Ref
 
 
 def make_pair_step(loss: LossFn, tx: optax.GradientTransformation, name: str, *, accum_steps: int = 1,
-                   lr_schedule: optax.Schedule | None = None) -> Callable:
+                   lr_schedule: Schedule | None = None) -> Callable:
     """step(state, batch, controls[, frozen]) -> (state, metrics): `loss` in the one update step, normalised by the
     whole batch's pair count."""
     return make_step(loss, {name: tx}, name, accum_steps=accum_steps, batch_stats=pair_count, lr_schedule=lr_schedule)

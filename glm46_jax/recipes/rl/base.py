@@ -177,7 +177,7 @@ class RLRecipe(RecipeBase):
 
     def controls(self, max_loss: float) -> dict[str, jax.Array]:
         """The scalars the step reads."""
-        return {"max_loss": jnp.float32(max_loss)}
+        return {"max_loss": jnp.float32(max_loss), "lr": self.lr_inputs}
 
     def next_input(self, state: TrainState, max_loss: float) -> StepInput:
         with jax.transfer_guard("allow"):

@@ -22,6 +22,7 @@ from jaxtyping import Array, Float
 from glm46_jax.recipes.rl import objective
 from glm46_jax.recipes.rl.config import RLConfig
 from glm46_jax.recipes.rl.logprobs import completion_logprobs, like
+from glm46_jax.training.schedule import Schedule
 from glm46_jax.training.step import make_step
 
 
@@ -55,7 +56,7 @@ def grpo_loss(params: nnx.State, buffers: nnx.State, batch: dict[str, Array], gr
 
 @functools.cache  # one jitted step per (graphdef, optimizer, rl section): the next seed in a process reuses it
 def make_grpo_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, rl: RLConfig, *,
-                   lr_schedule: optax.Schedule | None = None, name: str = "policy") -> Callable:
+                   lr_schedule: Schedule | None = None, name: str = "policy") -> Callable:
     """step(state, batch, controls[, frozen]) -> (state, metrics): `grpo_loss` in the one update step
     (`training.step.make_step`: the spike / non-finite skip, the lr metric); the correction biases are not moved.
     `frozen` ({name: FrozenModel(base)} for LoRA) as in `training.step.make_train_step`."""

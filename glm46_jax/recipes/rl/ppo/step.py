@@ -27,6 +27,7 @@ from glm46_jax.recipes.rl.config import RLConfig
 from glm46_jax.recipes.rl.logprobs import completion_logprobs, like
 from glm46_jax.recipes.rl.ppo import objective
 from glm46_jax.recipes.rl.ppo.config import PPOConfig
+from glm46_jax.training.schedule import Schedule
 from glm46_jax.training.step import make_step
 
 
@@ -72,7 +73,7 @@ def ppo_loss(params: dict[str, nnx.State], buffers: dict[str, nnx.State], batch:
 
 
 def make_ppo_step(policy: nnx.GraphDef, critic: nnx.GraphDef, txs: dict[str, optax.GradientTransformation],
-                  rl: RLConfig, ppo: PPOConfig, *, lr_schedule: optax.Schedule | None = None) -> Callable:
+                  rl: RLConfig, ppo: PPOConfig, *, lr_schedule: Schedule | None = None) -> Callable:
     """step(state, batch, controls[, frozen]) -> (state, metrics): `ppo_loss` in the one update step (the spike /
     non-finite skip covers both models)."""
     return _ppo_step(policy, critic, tuple(txs.items()), rl, ppo, lr_schedule)
@@ -80,7 +81,7 @@ def make_ppo_step(policy: nnx.GraphDef, critic: nnx.GraphDef, txs: dict[str, opt
 
 @functools.cache  # one jitted step per (graphdefs, optimizers, sections): the next seed in a process reuses it
 def _ppo_step(policy: nnx.GraphDef, critic: nnx.GraphDef, txs: tuple, rl: RLConfig, ppo: PPOConfig,
-              lr_schedule: optax.Schedule | None) -> Callable:
+              lr_schedule: Schedule | None) -> Callable:
     def loss(params, buffers, batch, ctx):
         return ppo_loss(params, buffers, batch, policy, critic, rl, ppo, ctx.get("policy_weight", 1.0))
 

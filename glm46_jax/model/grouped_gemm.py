@@ -28,7 +28,6 @@ from flax import struct
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
 from glm46_jax.parallel.sharding import cotangent_like
@@ -91,6 +90,8 @@ def _group_info(group_sizes, tile: int, tid):
 def ragged_dot_kernel(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, num_sms: int = 132,
                       interpret=None) -> jax.Array:
     """lhs [M, K] x rhs [G, K, N] ([G, N, K] with transpose_rhs) -> [M, N], rows grouped by `group_sizes`."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # here, not at the top: 0.3 s of every process's import
+
     m, k = lhs.shape
     g, k2, n = rhs.shape
     if transpose_rhs:
@@ -157,6 +158,8 @@ def ragged_dot_kernel(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, num
 
 def transposed_ragged_dot_kernel(lhs, rhs, group_sizes, *, num_sms: int = 132, interpret=None) -> jax.Array:
     """lhs [K, M] x rhs [K, N] -> [G, M, N]: out[g] = lhs[rows of g].T @ rhs[rows of g] (the weight gradients)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # as in ragged_dot_kernel
+
     k, m = lhs.shape
     k2, n = rhs.shape
     g = group_sizes.shape[0]
@@ -238,6 +241,8 @@ def transposed_ragged_dot_kernel(lhs, rhs, group_sizes, *, num_sms: int = 132, i
 # --- Backends ----------------------------------------------------------------------------------------------------
 
 def _interpret_params():
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # as in ragged_dot_kernel
+
     return plgpu.InterpretGPUParams()
 
 

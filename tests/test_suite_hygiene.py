@@ -15,13 +15,22 @@ from glm46_jax.model import apply, init_model
 def test_dropping_caches_releases_compiled_executables(mesh1):
     with sharding.use_mesh(mesh1):
         graphdef, params, buffers = init_model(TINY, mesh1)
-        _drop_executables()
-        before = memory_mappings()
-        for s in (4, 5, 6):  # three executables of the tiny model's forward (~50 mappings each on jaxlib 0.12)
+
+        def run_forward(length):
             forward = jax.jit(lambda p, x: apply(graphdef, p, buffers, x, jnp.arange(x.shape[1])[None],
                                                  jnp.ones_like(x)).logits)
-            jax.block_until_ready(forward(params, jnp.ones((1, s), jnp.int32)))
+            jax.block_until_ready(forward(params, jnp.ones((1, length), jnp.int32)))
+
+        # A first forward brings up what the process keeps whatever it compiles (the compiler's threads and pools,
+        # ~260 mappings): in a fresh process, counted from right after init, they came and went and the count fell.
+        run_forward(3)
+        _drop_executables()
+        before = memory_mappings()
+        for s in (4, 5, 6):  # three executables of the tiny model's forward
+            run_forward(s)
         grown = memory_mappings() - before
-        assert grown >= 30, grown  # what the guard is for: compiled code holds mappings
+        # What the guard is for: compiled code holds mappings (jaxlib 0.12: 2-3 per executable in a fresh process, ~50
+        # late in a test worker).
+        assert grown >= 6, grown
         _drop_executables()
         assert memory_mappings() - before < grown / 4, (before, grown, memory_mappings())

@@ -2,11 +2,11 @@
 
     schedule = Schedule("warmup_cosine", lr=2.5e-4, end_lr=2.5e-5, warmup=2000, total=100_000)
     schedule(count)                          # an optax schedule: the numbers are constants of the program
-    schedule.at(count, schedule.inputs())    # the same value, the numbers passed in (float32 scalars)
+    schedule.at(count, schedule.inputs())    # the same value (within a few float32 ulps), the numbers passed in
 
 Why inputs: a schedule's numbers compiled into the train step made every (lr, end_lr, warmup, length) a new program,
-so runs that differ only there (an lr sweep, a longer run, a resume with another length, most test runs) compiled
-the same step again. The step (training/step.py) passes `inputs()` to the optimizer's update as `lr_inputs`; only the
+so runs that differ only there (an lr sweep, a longer run, a resume with another length) compiled the same step
+again. The step (training/step.py) passes `inputs()` to the optimizer's update as `lr_inputs`; only the
 schedule's kind (and its number of cosine cycles) shapes the program. The values are optax's schedules'
 (`optax.warmup_cosine_decay_schedule`, `join_schedules`, `linear_schedule`, `sgdr_schedule`; tests/test_optim.py),
 written here because optax's take their step counts as Python ints.
@@ -44,8 +44,8 @@ class Schedule:
         return {k: jnp.float32(v) for k, v in self.numbers().items()}
 
     def numbers(self) -> dict[str, float]:
-        """The formula's numbers, worked out in Python floats where optax's schedules work them out (so the
-        values equal optax's to the last bit, constants or inputs)."""
+        """The formula's numbers, worked out in Python floats where optax's schedules work them out (with them as
+        constants the values are optax's to the last bit)."""
         w, total = self.warmup, self.total
         cycle = total // self.restarts if self.kind == "cosine_restarts" else max(total, w + 1)
         alpha = 0.0 if self.lr == 0.0 else self.end_lr / self.lr

@@ -29,8 +29,7 @@ import optax
 from glm46_jax.errors import check_choice, check_field, check_range
 from glm46_jax.model.paths import LAYER_STACKS, path_names
 from glm46_jax.training.muon import NS_DTYPES, scale_by_consistent_rms, scale_by_muon
-from glm46_jax.training.schedule import KINDS as SCHEDULES
-from glm46_jax.training.schedule import Schedule, scale_by_schedule
+from glm46_jax.training.schedule import SCHEDULES, Schedule, scale_by_schedule
 
 # --- the optimizer split (the plan tool counts optimizer state with it too) -----------------------
 

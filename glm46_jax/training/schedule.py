@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-KINDS = ("warmup_cosine", "wsd", "cosine_restarts", "constant")
+SCHEDULES = ("warmup_cosine", "wsd", "cosine_restarts", "constant")  # the kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,10 @@ class Schedule:
     total: int = 1
     wsd_decay: int = 1
     restarts: int = 1  # shapes the program (one branch per cycle): not an input
+
+    def __post_init__(self):
+        if self.kind not in SCHEDULES:
+            raise ValueError(f"schedule kind {self.kind!r}: expected one of {SCHEDULES}")
 
     def inputs(self) -> dict[str, jax.Array]:
         """The numbers a jitted step takes (float32 scalars); the kind and `restarts` stay in the program."""
@@ -66,8 +70,6 @@ class Schedule:
         if self.kind == "wsd":
             return jnp.where(c < x["wsd_start"], warm,
                              _linear(c - x["wsd_start"], x["lr_minus_end"], x["end_lr"], x["wsd_decay"]))
-        if self.kind not in ("warmup_cosine", "cosine_restarts"):
-            raise ValueError(f"schedule kind {self.kind!r}: expected one of {KINDS}")
         out = _warm_cosine(c, x, -x["lr"])
         for i in range(1, self.restarts if self.kind == "cosine_restarts" else 1):  # later cycles start at end_lr
             out = jnp.where(c < i * x["cycle"], out, _warm_cosine(c - i * x["cycle"], x, -x["lr_minus_end"]))

@@ -224,3 +224,19 @@ def test_running_moments_match_numpy_and_resume_bit_identically():
         resumed = resumed.update(batch)
     assert resumed == moments
     assert all(type(v) in (int, float) for v in moments.to_dict().values())
+
+
+def test_adaptive_kl_coefficient_by_hand():
+    """Ziegler et al.'s controller (TRL's AdaptiveKLController.update): e_t = clip(KL / target - 1, -0.2, 0.2),
+    beta <- beta (1 + e_t n / horizon); numbers worked out by hand."""
+    # KL at the target: unchanged
+    assert objective.adaptive_kl_coef(0.05, kl=6.0, target=6.0, samples=256, horizon=10_000) == 0.05
+    # 10% above: e = 0.1, n / horizon = 0.0256 -> 0.05 * 1.00256
+    assert objective.adaptive_kl_coef(0.05, kl=6.6, target=6.0, samples=256, horizon=10_000) == pytest.approx(
+        0.050128, rel=1e-12)
+    # far above and far below: the error is clipped to +-0.2; a horizon of one rollout moves by 20% per rollout
+    assert objective.adaptive_kl_coef(0.1, kl=60.0, target=6.0, samples=8, horizon=8) == pytest.approx(0.12, rel=1e-12)
+    assert objective.adaptive_kl_coef(0.1, kl=0.0, target=6.0, samples=8, horizon=8) == pytest.approx(0.08, rel=1e-12)
+    # 5% below with n / horizon = 0.5: 0.2 * (1 - 0.025)
+    assert objective.adaptive_kl_coef(0.2, kl=1.9, target=2.0, samples=50, horizon=100) == pytest.approx(
+        0.195, rel=1e-12)

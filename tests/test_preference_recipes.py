@@ -201,13 +201,27 @@ def _ppo_flags(data: str, run_dir: str, steps: int, every: int, extra: tuple[str
 
 
 def test_ppo_resumes_exactly(data, tmp_path):
-    """configs/ppo.py:addition (the exact-answer reward, a critic from the random policy, the k1 KL in the reward,
-    running score normalisation, one rollout of critic warm-up): policy, critic, both optimizers, the prompt pool
-    and its RNG, the score statistics all continue bit-identically after a SIGKILL at the end of the warm-up. The
-    warm-up's two updates reached the critic only: the policy's Adam moments are still exactly zero."""
+    """configs/ppo.py:addition (the exact-answer reward, a critic from the random policy, the k1 KL in the reward
+    with the adaptive KL coefficient, running score normalisation, one rollout of critic warm-up): policy, critic,
+    both optimizers, the prompt pool and its RNG, the score statistics and the KL coefficient all continue
+    bit-identically after a SIGKILL at the end of the warm-up. The warm-up's two updates reached the critic only:
+    the policy's Adam moments are still exactly zero. The coefficient follows the controller's rule from the KL each
+    rollout measured (a horizon of one rollout's 8 samples: up to 20% a rollout)."""
+    target = 0.05
+
     def flags(run):
-        return _ppo_flags(data, run, 6, 2, ("--config.ppo.critic_warmup=1",))
+        return _ppo_flags(data, run, 6, 2, ("--config.ppo.critic_warmup=1", f"--config.ppo.kl_target={target}",
+                                            "--config.ppo.kl_horizon=8"))
     straight = _straight("ppo", "addition", flags, tmp_path)
+    with open(os.path.join(straight, "metrics.jsonl")) as f:
+        per_rollout = {int(r["train/rollouts"]): (r["train/kl_coef"], r["train/kl_per_completion"])
+                       for r in map(json.loads, f) if "train/kl_coef" in r}
+    assert sorted(per_rollout) == [1, 2, 3] and per_rollout[1][0] == pytest.approx(0.05, rel=1e-7), per_rollout
+    for r in (1, 2):  # beta_{r+1} = beta_r (1 + clip(KL_r / target - 1, +-0.2) x 8 / 8)
+        beta, kl = per_rollout[r]
+        want = beta * (1 + min(max(kl / target - 1, -0.2), 0.2))
+        assert per_rollout[r + 1][0] == pytest.approx(want, rel=1e-6), (r, per_rollout)
+    assert abs(per_rollout[1][1]) < 1e-3 and per_rollout[2][0] == pytest.approx(0.04, rel=1e-6)  # no KL yet: -20%
     warm, _ = _checkpoint(straight, 2)
     policy_mu = [x for k, x in warm.items() if k.startswith("optimizer") and "['mu']" in k]
     critic_mu = [x for k, x in warm.items() if k.startswith("others['critic']['opt_state']") and "['mu']" in k]

@@ -251,3 +251,17 @@ def test_the_registry_names_what_exists():
         cls = run_config.named(ref)
         assert dataclasses.is_dataclass(cls) and name in {f.name for f in dataclasses.fields(run_config.RunConfig)}
         assert callable(cls.check_run)
+
+
+def test_an_adaptive_kl_without_a_starting_coefficient_is_refused():
+    """ppo.kl_target multiplies rl.kl_coef after each rollout: from 0 it could never move, so the config says so."""
+    c = run_config.config_file(os.path.join(ROOT, "configs", "ppo.py"), "addition")
+    c.train.steps = 5
+    c.ppo.kl_target, c.rl.kl_coef = 0.1, 0.02
+    assert run_config.from_config_dict(c).ppo.kl_target == 0.1  # 0.02 is its start
+    c.rl.kl_coef = 0.0  # the preset's: no KL
+    with pytest.raises(InputError, match=r"ppo.kl_target=0.1 adapts the KL coefficient from rl.kl_coef, which is 0.0"):
+        run_config.from_config_dict(c)
+    c.ppo.kl_target, c.rl.kl_coef = -1.0, 0.02
+    with pytest.raises(InputError, match="kl_target"):
+        run_config.from_config_dict(c)

@@ -4,6 +4,7 @@
     adv, returns = gae(rewards, values, mask, gamma=1.0, lam=0.95)                             # [b, t] each
     adv = whiten(adv, mask)
     loss, stats = value_loss(new_values, values, returns, mask, clip=0.2)
+    kl_coef = adaptive_kl_coef(kl_coef, kl=2.3, target=6.0, samples=512, horizon=10_000)      # after each rollout
 
 A row is prompt + completion; `mask` [b, t] is 1 at the positions that predict a completion token (one contiguous run
 per row, starting after the prompt, ending before the padding; rollout.training_rows). The policy's action at position
@@ -162,3 +163,12 @@ class RunningMoments:
     @classmethod
     def from_dict(cls, d: dict) -> RunningMoments:
         return cls(count=int(d["count"]), mean=float(d["mean"]), var=float(d["var"]))
+
+
+def adaptive_kl_coef(coef: float, kl: float, target: float, samples: int, horizon: int) -> float:
+    """The next KL coefficient of the adaptive controller (Ziegler et al. 2019, InstructGPT; TRL's
+    `AdaptiveKLController`): coef x (1 + clip(kl / target - 1, -0.2, 0.2) x samples / horizon), where `kl` is the
+    measured KL per completion (the k1 log-ratio summed over its tokens, averaged over the rollout's `samples`
+    completions). Above the target the penalty grows, below it shrinks, by at most 20% per horizon of samples."""
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return float(coef * (1.0 + error * samples / horizon))

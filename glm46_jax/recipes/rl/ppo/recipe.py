@@ -8,12 +8,14 @@ the prompt pool, the refresh after each update) with a critic in place of group 
 Each rollout: `rl.prompts_per_step` prompts x `rl.group_size` samples from the current policy, scored by rl.rewards
 (a reward model and/or verifiable functions); the critic's values and (with rl.kl_coef > 0) the reference's
 log-probs at every completion token; the score (optionally normalised by its running std and clipped) at each
-completion's last token, minus kl_coef times the k1 KL per token (ppo.kl_kind="k1"); GAE(gamma, lambda); advantages
+completion's last token, minus kl_coef times the k1 KL per token (ppo.kl_kind="k1"; the coefficient adapts toward
+ppo.kl_target when that is set, docs/rl.md#adaptive-kl); GAE(gamma, lambda); advantages
 whitened over the rollout. Then `rl.minibatches` x `rl.epochs` joint updates of the policy (clipped loss, entropy
 bonus, k3 KL if ppo.kl_kind="k3") and the critic (clipped value loss), each with its own optimizer.
 
 The train state holds the policy (inline) and the critic (`others["critic"]`); the data state the prompt pool, the
-rollout count and the score statistics: a run resumed at a rollout boundary continues bit-identically.
+rollout count, the score statistics and the KL coefficient: a run resumed at a rollout boundary continues
+bit-identically.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ from glm46_jax.training.step import TrainState, with_frozen
 class PPO(RLRecipe):
     """The PPO recipe (`trainer.Recipe`)."""
     moments: objective.RunningMoments = dataclasses.field(default_factory=objective.RunningMoments)
+    # The KL coefficient of the rollout being trained on, and of the next one (ppo.kl_target > 0 moves it after
+    # each rollout; otherwise both stay rl.kl_coef). The checkpoint holds the next one.
+    kl_coef: float | None = None
+    next_kl_coef: float | None = None
 
     @property
     def ppo(self) -> PPOConfig:
@@ -76,19 +82,24 @@ class PPO(RLRecipe):
 
     def controls(self, max_loss: float) -> dict[str, jax.Array]:
         # the rollout now being trained on is number rollouts_done (1-based); the policy waits for the critic
-        return {**super().controls(max_loss), "policy_weight": jnp.float32(self.rollouts_done > self.ppo.critic_warmup)}
+        return {**super().controls(max_loss), "policy_weight": jnp.float32(self.rollouts_done > self.ppo.critic_warmup),
+                "kl_coef": jnp.float32(self.rl.kl_coef if self.kl_coef is None else self.kl_coef)}
 
     def data_state(self) -> dict[str, Any]:
-        return {**super().data_state(), "reward_moments": self.moments.to_dict()}
+        return {**super().data_state(), "reward_moments": self.moments.to_dict(), "kl_coef": self._next_kl_coef()}
 
     def restore_data_state(self, data_state: Mapping[str, Any]) -> None:
         super().restore_data_state(data_state)
         self.moments = objective.RunningMoments.from_dict(data_state["reward_moments"])
+        self.next_kl_coef = float(data_state.get("kl_coef", self.rl.kl_coef))  # older checkpoints: the fixed one
+
+    def _next_kl_coef(self) -> float:
+        return self.rl.kl_coef if self.next_kl_coef is None else self.next_kl_coef
 
     def with_advantages(self, state: TrainState, batch: dict[str, np.ndarray], rewards: np.ndarray
                         ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """Values, reference log-probs, per-token rewards, GAE advantages and returns of one rollout."""
-        rl, ppo = self.rl, self.ppo
+        ppo = self.ppo
         critic = state.others["critic"]
         with jax.transfer_guard("allow"), sharding.use_mesh(self.mesh):
             device = device_batch(batch, self.mesh)
@@ -106,7 +117,8 @@ class PPO(RLRecipe):
         elif ppo.reward_clip:
             scores = np.clip(scores, -ppo.reward_clip, ppo.reward_clip)
         kl = np.asarray(objective.kl_penalty(old, ref, "k1")) if ref is not None else np.zeros_like(old)
-        k1_coef = rl.kl_coef if ppo.kl_kind == "k1" and ref is not None else 0.0
+        self.kl_coef = self._next_kl_coef()
+        k1_coef = self.kl_coef if ppo.kl_kind == "k1" and ref is not None else 0.0
         adv, returns = jax.device_get(rollout_advantages(scores.astype(np.float32), mask, values, kl, k1_coef,
                                                          ppo.gamma, ppo.lam, ppo.whiten_advantages))
         n = max(float(mask.sum()), 1.0)
@@ -117,6 +129,12 @@ class PPO(RLRecipe):
         if ref is not None:
             batch["ref_logprobs"] = np.asarray(ref, np.float32)
             stats["kl_rollout"] = float(np.sum(np.asarray(kl) * mask) / n)
+            # the controller's measure: the k1 KL per completion (summed over its tokens), averaged over the rollout
+            kl_per_completion = float(np.mean(np.sum(np.asarray(kl, np.float64) * mask, axis=1)))
+            stats.update(kl_per_completion=kl_per_completion, kl_coef=self.kl_coef)
+            if ppo.kl_target > 0:
+                self.next_kl_coef = objective.adaptive_kl_coef(self.kl_coef, kl_per_completion, ppo.kl_target,
+                                                               len(mask), ppo.kl_horizon)
         return batch, stats
 
     @staticmethod

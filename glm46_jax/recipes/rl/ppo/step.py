@@ -40,9 +40,11 @@ def critic_values(params: nnx.State, buffers: nnx.State, graphdef: nnx.GraphDef,
 
 def ppo_loss(params: dict[str, nnx.State], buffers: dict[str, nnx.State], batch: dict[str, Array],
              policy: nnx.GraphDef, critic: nnx.GraphDef, rl: RLConfig, ppo: PPOConfig,
-             policy_weight: Array | float = 1.0) -> tuple[Array, dict[str, Array]]:
+             policy_weight: Array | float = 1.0, kl_coef: Array | float | None = None
+             ) -> tuple[Array, dict[str, Array]]:
     """The PPO loss; policy_weight 0 (the critic's warm-up) leaves the policy's gradient zero and so, under Adam
-    with zeroed moments, its weights in place (but for decoupled weight decay, when optim.weight_decay > 0)."""
+    with zeroed moments, its weights in place (but for decoupled weight decay, when optim.weight_decay > 0).
+    `kl_coef`: the k3 term's weight (the step's control, which the adaptive controller moves); None = rl.kl_coef."""
     logp, entropy, differs = completion_logprobs(params["policy"], buffers["policy"], policy, batch,
                                                  rl.temperature, rl.routing_replay)
     mask, old = like(batch["completion_mask"], logp), like(batch["old_logprobs"], logp)
@@ -57,7 +59,7 @@ def ppo_loss(params: dict[str, nnx.State], buffers: dict[str, nnx.State], batch:
                "completion_tokens": mask.sum(), **stats}
     if ppo.kl_kind == "k3" and rl.kl_coef > 0:  # else the KL is in the rewards (k1) or off
         kl = token_mean(policy_objective.kl_k3(logp, like(batch["ref_logprobs"], logp)))
-        policy_loss = policy_loss + rl.kl_coef * kl
+        policy_loss = policy_loss + (rl.kl_coef if kl_coef is None else kl_coef) * kl
         metrics["kl"] = kl
     values = critic_values(params["critic"], buffers["critic"], critic, batch["inputs"])
     values = like(values, logp)
@@ -83,7 +85,8 @@ def make_ppo_step(policy: nnx.GraphDef, critic: nnx.GraphDef, txs: dict[str, opt
 def _ppo_step(policy: nnx.GraphDef, critic: nnx.GraphDef, txs: tuple, rl: RLConfig, ppo: PPOConfig,
               lr_schedule: Schedule | None) -> Callable:
     def loss(params, buffers, batch, ctx):
-        return ppo_loss(params, buffers, batch, policy, critic, rl, ppo, ctx.get("policy_weight", 1.0))
+        return ppo_loss(params, buffers, batch, policy, critic, rl, ppo, ctx.get("policy_weight", 1.0),
+                        ctx.get("kl_coef"))
 
     return make_step(loss, dict(txs), "policy", lr_schedule=lr_schedule)
 

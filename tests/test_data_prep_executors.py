@@ -145,7 +145,10 @@ def test_slurm_executor_writes_the_local_dataset(slurm_env, corpus, reference, t
     for stage in ("prepare", "buckets", "dedup", "tokenize", "write", "finalize"):  # each ran as a Slurm job
         logs = os.path.join(out, "_work", work, "slurm_logs", stage)
         assert os.path.isdir(logs) and os.listdir(logs), f"no Slurm log of stage {stage} in {logs}"
-        with open(os.path.join(logs, min(os.listdir(logs)))) as f:
+        # <job id>_<task>.out: the stage's array job, then datatrove's stats-merging job; by number, not by text
+        # (on a new cluster the ids cross 9 -> 10 mid-run, and "10_0.out" < "9_0.out")
+        first = min(os.listdir(logs), key=lambda n: [int(x) for x in n.removesuffix(".out").split("_")])
+        with open(os.path.join(logs, first)) as f:
             assert "launch_pickled_pipeline" in f.read()
 
     again = _pipeline(corpus, out, *flags, env={"SLURM_CONF": slurm_env["SLURM_CONF"]})

@@ -10,8 +10,9 @@ Stages (one module each, data flowing left to right):
     sft, preferences           chat (SFT) and preference-pair data: JSONL -> token ids with loss masks
     rl_tasks                   the RL demo's verifiable task, generated offline
     sample, sample_chats, sample_preferences   the embedded sample corpus, chats and preference pairs
+    policy_preferences         preference pairs from a policy's own samples, labelled (`policy-preferences`)
     cli                        `python -m data_prep COMMAND`
 
 `python -m data_prep --help` lists the commands; README.md documents the output contract that
-the training loader reads. Nothing here imports jax.
+the training loader reads. Nothing here imports jax, except `policy-preferences`, which samples a model.
 """

@@ -8,6 +8,8 @@
     preferences     --input pairs.jsonl ... --tokenizer T --out DIR   prompt + chosen / rejected -> two sequences
                                                           per pair, the final reply's loss mask (preferences.py)
     sample-preferences  [--out data/sample_preferences]   generated addition and chat pairs through `preferences`
+    policy-preferences  --checkpoint RUN --prompts P --labeller L --out DIR   a policy's own samples, labelled in
+                                                          pairs, through `preferences` (policy_preferences.py)
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import Any
 from datatrove.io import get_datafolder
 from tokenizers import Tokenizer
 
-from data_prep import executors, pipeline, preferences, report, sample, sample_chats, sample_preferences, sft
+from data_prep import (executors, pipeline, policy_preferences, preferences, report, sample, sample_chats,
+                       sample_preferences, sft)
 from data_prep.executors import EXECUTORS
 from data_prep.inputs import ReaderOptions, parse_input
 from data_prep.minhash import MinHashConfig
@@ -145,25 +148,29 @@ def _add_sft(p: Parser, sample: bool) -> None:
         g.add_argument("--seed", type=int, default=0, help="generator seed")
 
 
-def _add_preferences(p: Parser, sample: bool) -> None:
+def _add_preferences(p: Parser, sample: bool, policy: bool = False) -> None:
     g = p.add_argument_group("preferences")
-    if not sample:
+    if policy:
+        g.add_argument("--tokenizer", metavar="tokenizer.json", help="default: the one the policy came with")
+    elif not sample:
         g.add_argument("--input", action="append", required=True, metavar="FILE.jsonl",
                        help='one pair per line: {"messages" | "prompt": ..., "chosen": ..., "rejected": ..., '
                             '"margin": float} (docs/preferences.md#input)')
-    g.add_argument("--tokenizer", required=not sample, default="data/sample/tokenizer.json" if sample else None,
-                   metavar="tokenizer.json", help="a tokenizer with GLM's chat tokens (the model's own)")
+    if not policy:
+        g.add_argument("--tokenizer", required=not sample, default="data/sample/tokenizer.json" if sample else None,
+                       metavar="tokenizer.json", help="a tokenizer with GLM's chat tokens (the model's own)")
     g.add_argument("--eos-token", default=EOS_TOKEN, help="end-of-text token of --tokenizer")
     g.add_argument("--heldout-fraction", type=float, default=0.1,
                    help="fraction of prompts (chosen by content hash) whose pairs go to the heldout split")
     g.add_argument("--max-len", type=int, default=1024 if sample else 4096,
                    help="most tokens in one pair (chosen + rejected, the prompt in each); longer pairs are skipped")
     g.add_argument("--max-reports", type=int, default=1000, help="skipped-line reports kept in metadata")
+    if sample or policy:
+        g.add_argument("--seed", type=int, default=0, help="generator seed")
     if sample:
         g.add_argument("--kinds", default=",".join(sample_preferences.KINDS),
                        help=f"comma-separated pair kinds: {', '.join(sample_preferences.KINDS)}")
         g.add_argument("--pairs", type=int, default=400, help="how many pairs to generate (split evenly by kind)")
-        g.add_argument("--seed", type=int, default=0, help="generator seed")
 
 
 def build_parser() -> Parser:
@@ -192,6 +199,8 @@ def build_parser() -> Parser:
     command("sample-preferences", "generate the sample preference pairs and run `preferences` on them",
             lambda p: _add_preferences(p, sample=True),
             out="dataset directory (default: data/sample_preferences)", out_default="data/sample_preferences")
+    command("policy-preferences", "sample a policy on prompts, label pairs of its completions and run `preferences` "
+            "on them", policy_preferences.add_args, lambda p: _add_preferences(p, sample=False, policy=True))
     return parser
 
 
@@ -308,7 +317,10 @@ def _run_preferences(args: argparse.Namespace) -> None:
     opts = preferences.PreferenceOptions(args.max_len, args.heldout_fraction, args.max_reports)
     sample_run = args.command == "sample-preferences"
     kinds = sample_preferences.parse_kinds(args.kinds) if sample_run else ()
-    inputs = [os.path.join(args.out, "_source", "pairs.jsonl")] if sample_run else args.input
+    generated = sample_run or args.command == "policy-preferences"
+    inputs = [os.path.join(args.out, "_source", "pairs.jsonl")] if generated else args.input
+    if args.command == "policy-preferences":
+        args.tokenizer = policy_preferences.write_pairs(args, inputs[0])
     if not os.path.isfile(args.tokenizer):
         raise InputError(f"--tokenizer {args.tokenizer}: no such file; pass the model's tokenizer.json (the sample "
                          "corpus's comes from `python -m data_prep sample`, i.e. `make data`)")
@@ -336,7 +348,7 @@ def run(args: argparse.Namespace) -> None:
     check_out(args.out)
     if args.command in ("sft", "sample-sft"):
         return _run_sft(args)
-    if args.command in ("preferences", "sample-preferences"):
+    if args.command in ("preferences", "sample-preferences", "policy-preferences"):
         return _run_preferences(args)
     if args.command == "sample":
         inputs, found = sample.build_sources(args.out, args.max_docs_per_domain)

@@ -41,8 +41,9 @@ from glm46_jax.training.trainer import TrainConfig
 class CheckpointConfig:
     every: int = 500  # steps between saves (and always at the end and on SIGTERM/SIGUSR1)
     keep: int = 3  # the last `keep` steps; 0 = all
-    keep_best: bool = False  # also the best step by `best_metric` (lower is better)
+    keep_best: bool = False  # also the best step by `best_metric`; a run its recipe stops early ends on it
     best_metric: str = "eval/ce"  # e.g. "eval/code/ce" (with train.eval_per_domain) in mid-training
+    best_mode: str = "min"  # min: lower is better (a loss) | max: higher is (an accuracy, a win rate)
     async_save: bool = True
     resume: str = "auto"  # auto: continue from the newest complete checkpoint | never: start fresh
     init_from: str = ""  # a run dir / checkpoint (e.g. from `convert hf-to-ckpt`) whose weights start a new run
@@ -51,6 +52,7 @@ class CheckpointConfig:
         check_at_least("checkpoint", self, 1, "every")
         check_at_least("checkpoint", self, 0, "keep", meaning="0 keeps all")
         check_choice("checkpoint", self, "resume", ("auto", "never"))
+        check_choice("checkpoint", self, "best_mode", ("min", "max"))
         check_field("checkpoint", "best_metric", self.best_metric, self.best_metric.startswith("eval/"),
                     "must name a held-out metric (eval/ce, or eval/<domain>/ce with train.eval_per_domain)",
                     "set --config.checkpoint.best_metric")

@@ -15,7 +15,9 @@ Writes to `run_dir`: config.json (the config as given), tokenizer.json (the corp
 metrics.jsonl and tensorboard/ (`monitor.sinks`: also Prometheus and W&B; docs/monitoring.md), checkpoints/<step>/ (`checkpoint.Checkpointer`:
 weights, optimizer, data-iterator state, meta), from which a restarted run resumes, and at the end
 status.json: {"state": "complete" | "stopped" (by SIGTERM/SIGUSR1, saved and resumable), "step",
-"total_steps", "reason"}, or "hung" (written by the watchdog, glm46_jax/monitoring/watchdog.py).
+"total_steps", "reason", "rolled_back_to"}, or "hung" (written by the watchdog, glm46_jax/monitoring/watchdog.py).
+A run its recipe ends early (`Recipe.stop_reason`, e.g. RL's reward-model check) is "complete", the reason given; with
+checkpoint.keep_best it ends on its best step (`rolled_back_to`).
 
 Multi-process (`distributed.initialize`, called first by `main`: Slurm's srun, or
 `launch/local_multiprocess.sh N`): every process runs this same program on its own devices and
@@ -79,7 +81,7 @@ def train(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
 
     c = cfg.checkpoint
     ckpt = checkpoint.Checkpointer(cfg.run_dir, every=c.every, keep=c.keep or None, async_save=c.async_save,
-                                   best_metric=c.best_metric if c.keep_best else None)
+                                   best_metric=c.best_metric if c.keep_best else None, best_mode=c.best_mode)
     try:
         start_step, state, data_state = checkpoint.resume(ckpt, state, resume=c.resume,
                                                           global_rows=recipe.global_rows)
@@ -88,8 +90,11 @@ def train(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
         with trainer.Preemption(multi_process=jax.process_count() > 1) as stop:
             state, summary = trainer.fit(recipe, state, ckpt, cfg.train, run_dir=cfg.run_dir, start_step=start_step,
                                          stop=stop, global_rows=recipe.global_rows, monitor_cfg=cfg.monitor)
+        if summary["early_stop"] and c.keep_best:
+            state, summary = _roll_back(ckpt, state, summary, recipe.global_rows)
         if not stop.requested:  # e.g. LoRA: the merged weights
-            summary["merged"] = recipe.finish(state, summary["steps"], cfg.run_dir, summary["tokens_seen"])
+            summary["merged"] = recipe.finish(state, summary.get("rolled_back_to") or summary["steps"], cfg.run_dir,
+                                              summary["tokens_seen"])
     finally:
         recipe.close()
         ckpt.close()  # waits for the last write
@@ -98,11 +103,24 @@ def train(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
     if is_main:  # for schedulers: launch/slurm_pretrain.sbatch requeues a run that stopped early
         atomic.write_json(os.path.join(cfg.run_dir, "status.json"), {
             "state": "stopped" if stop.requested else "complete", "step": step,
-            "total_steps": recipe.total_steps, "reason": stop.requested})
+            "total_steps": recipe.total_steps, "reason": stop.requested or summary["early_stop"],
+            "rolled_back_to": summary.get("rolled_back_to")})
     summary.update(wall_s=time.perf_counter() - t_start, checkpoint=os.path.join(ckpt.directory, str(step)),
                    total_steps=recipe.total_steps)
     if is_main:
         print(_summary_lines(summary))
+    return state, summary
+
+
+def _roll_back(ckpt: checkpoint.Checkpointer, state: TrainState, summary: dict[str, Any], global_rows: bool
+               ) -> tuple[TrainState, dict[str, Any]]:
+    """A run its recipe stopped ends on its best kept step (checkpoint.keep_best), not on the step that stopped it."""
+    best = ckpt.best_step()
+    summary["rolled_back_to"] = best
+    if best is not None and best != summary["steps"]:
+        state, _, _ = ckpt.restore(best, state, global_rows)
+        logging.warning("the run stopped at step %d (%s): rolled back to step %d, the best by %s",
+                        summary["steps"], summary["early_stop"], best, ckpt.best_metric)
     return state, summary
 
 

@@ -103,6 +103,12 @@ def test_reward_model_separates_pairs(data, tmp_path, capsys):
     assert r["end"]["pairs"] == _heldout_pairs(data)
     assert r["end"]["accuracy"] >= 0.9, r
     assert r["end"]["margin"] > r["start"]["margin"]
+    # Calibration: every held-out pair in one |margin| bucket, and the buckets' right orders are the eval's accuracy
+    # (scored by a separate program from the eval's loss).
+    table = r["calibration"]
+    assert sum(b["pairs"] for b in table) == r["end"]["pairs"]
+    right = sum(b["pairs"] * b["accuracy"] for b in table if b["pairs"])
+    assert right / r["end"]["pairs"] == pytest.approx(r["end"]["accuracy"], abs=1e-6)
 
 
 # --- runs, and kill -9 then resume --------------------------------------------------------------------------------

@@ -168,3 +168,46 @@ def test_two_model_checkpoint_resumes_bit_identically(straight, tmp_path):
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(resumed), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert _metrics(resumed_dir)[4]["train/critic_ce"] == _metrics(run_dir)[4]["train/critic_ce"]
+
+
+@dataclasses.dataclass
+class StopsItself(TwoModels):
+    """TwoModels with a scripted held-out score (evaluations at steps 2, 4, 6, ...) that asks to stop once the score
+    falls 0.1 below its best."""
+    scores: tuple[float, ...] = (0.5, 0.8, 0.6, 0.9)
+    seen: list = dataclasses.field(default_factory=list)
+
+    def evaluate(self, state, segment, ctrl) -> dict[str, float]:
+        self.seen.append(self.scores[len(self.seen)])
+        return {"eval/score": self.seen[-1]}
+
+    def stop_reason(self) -> str | None:
+        return "the score fell" if self.seen and self.seen[-1] < max(self.seen) - 0.1 else None
+
+
+def test_a_run_its_recipe_stops_ends_on_its_best_checkpoint(straight, tmp_path):
+    """The recipe stops the run after step 6's evaluation (0.6, below step 4's 0.8): step 6 is saved, nothing later
+    runs, and with keep_best (best_mode max) the run ends on step 4's weights: those of the straight 4-step run."""
+    import json
+
+    _, state4, _, _ = straight
+    run_dir = str(tmp_path / "stops")
+
+    def build_stopping(cfg, devices):
+        recipe, state = build(cfg, devices)
+        return StopsItself(recipe.cfg, recipe.built), state
+
+    c = config(run_dir, 10)
+    c = dataclasses.replace(c, train=dataclasses.replace(c.train, eval_every=2),
+                            checkpoint=dataclasses.replace(c.checkpoint, keep=1, keep_best=True,
+                                                           best_metric="eval/score", best_mode="max"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(run_config.RECIPES, "two_models", run_config.RecipeEntry(build_stopping, lambda c: c.train.steps))
+        state, summary = train.train(c, jax.devices()[:1])
+    assert summary["steps"] == 6 and summary["early_stop"] == "the score fell" and summary["rolled_back_to"] == 4
+    with open(os.path.join(run_dir, "status.json")) as f:
+        assert json.load(f) == {"state": "complete", "step": 6, "total_steps": 10, "reason": "the score fell",
+                                "rolled_back_to": 4}
+    assert sorted(int(d) for d in os.listdir(os.path.join(run_dir, "checkpoints")) if d.isdigit()) == [4, 6]
+    for a, b in zip(jax.tree.leaves(state4), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

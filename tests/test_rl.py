@@ -333,6 +333,50 @@ def addition_sft(tmp_path_factory):
     return root, data
 
 
+@pytest.mark.slow
+def test_policy_preferences_pair_the_sft_models_own_samples(addition_sft, tmp_path):
+    """`data_prep policy-preferences` on the SFT model: every pair's chosen reply is the right sum and its rejected
+    one a wrong sum (the exact-answer labeller), every pair is counted once (train + heldout + skipped = written), and
+    the counts add up (pairs <= asked - without a preference)."""
+    import json
+
+    from data_prep import cli as data_cli
+
+    root, data = addition_sft
+    out = str(tmp_path / "policy_pairs")
+    assert data_cli.main(["policy-preferences", "--checkpoint", str(root / "sft"), "--prompts",
+                          os.path.join(data, "prompts_train.jsonl"), "--max-prompts", "200", "--samples", "4",
+                          "--pairs-per-prompt", "2", "--max-prompt-len", "16", "--max-new-tokens", "6", "--max-len",
+                          "128", "--heldout-fraction", "0.2", "--out", out]) == 0
+    with open(os.path.join(out, "_source", "sampling.json")) as f:
+        counts = json.load(f)
+    with open(os.path.join(out, "_source", "pairs.jsonl")) as f:
+        lines = [json.loads(x) for x in f]
+    with open(os.path.join(out, "metadata.json")) as f:
+        meta = json.load(f)
+    answers = {it["prompt"]: it for it in map(json.loads, open(os.path.join(data, "prompts_train.jsonl")))}
+    for line in lines:
+        item = answers[line["messages"][0]["content"]]
+        assert rewards.exact_answer(line["chosen"]["content"], item) == 1.0
+        assert rewards.exact_answer(line["rejected"]["content"], item) == 0.0
+    assert counts["samples"] == 800 and counts["pairs"] == len(lines) > 20
+    assert len(lines) <= counts["asked"] - counts["no_preference"]
+    assert len({line["messages"][0]["content"] for line in lines}) * 2 >= len(lines)  # at most 2 per prompt
+    splits = meta["splits"]
+    assert splits["train"]["pairs"] + splits["heldout"]["pairs"] + meta["pairs"]["skipped"] == len(lines)
+
+
+def test_a_bad_labeller_exits_2_before_loading_the_model(tmp_path, capsys):
+    from data_prep import cli as data_cli
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    assert data_cli.main(["policy-preferences", "--checkpoint", str(tmp_path / "no_run"), "--prompts", str(prompts),
+                          "--labeller", "exactly", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: labeller 'exactly': give a checker"), err
+
+
 def _heldout_gains(addition_sft, config: str, preset: str) -> list[tuple[float, float]]:
     """(start, end) greedy exact-match accuracy on the 500 held-out problems (never RL prompts) of the preset's RL
     stage from the shared SFT warm-up, for RL seeds 0, 1, 2."""

@@ -265,3 +265,18 @@ def test_an_adaptive_kl_without_a_starting_coefficient_is_refused():
     c.ppo.kl_target, c.rl.kl_coef = -1.0, 0.02
     with pytest.raises(InputError, match="kl_target"):
         run_config.from_config_dict(c)
+
+
+def test_a_reward_model_check_needs_a_reward_model_and_a_known_best_mode():
+    """rl.labeller checks the reward model against a labeller: a run rewarded without one is refused, naming both
+    fields; checkpoint.best_mode is min or max."""
+    c = run_config.config_file(os.path.join(ROOT, "configs", "ppo.py"), "addition")  # the exact-answer reward
+    c.train.steps = 5
+    c.rl.labeller = "exact_answer"
+    with pytest.raises(InputError, match=r"rl.labeller='exact_answer': checks the reward model, which "
+                                         r"rl.rewards=\('exact_answer',\) does not use"):
+        run_config.from_config_dict(c)
+    c.rl.labeller = ""
+    c.checkpoint.best_mode = "highest"
+    with pytest.raises(InputError, match="checkpoint.best_mode='highest'"):
+        run_config.from_config_dict(c)

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import os
-
-import jax
+from typing import TYPE_CHECKING
 
 from glm46_jax.errors import InputError
+
+if TYPE_CHECKING:  # `add_model_args` serves CLIs that import no jax (data_prep policy-preferences)
+    import jax
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

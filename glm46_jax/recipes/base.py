@@ -103,6 +103,9 @@ class RecipeBase:
         """The segment the run ended in (for the meta of what `finish` writes)."""
         raise NotImplementedError
 
+    def stop_reason(self) -> str | None:
+        return None  # runs its steps to the end
+
     def finish(self, state: TrainState, step: int, run_dir: str, tokens_seen: int) -> str | None:
         """After a completed run: with LoRA, the merged weights at <run_dir>/merged/<step> (their path)."""
         if self.main.spec.lora is None:

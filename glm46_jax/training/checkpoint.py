@@ -110,15 +110,16 @@ def _all_processes_json(obj: Any) -> list[Any]:
 
 
 def _manager(directory: str, every: int = 1, keep: int | None = None, *, async_save: bool = True,
-             best_metric: str | None = None) -> ocp.CheckpointManager:
+             best_metric: str | None = None, best_mode: str = "min") -> ocp.CheckpointManager:
     _setup_orbax()
-    # The last `keep` steps, and with `best_metric` also the best one by it (lower is better). Spelled out as
+    # The last `keep` steps, and with `best_metric` also the best one by it (`best_mode`). Spelled out as
     # a preservation policy: Orbax's `best_fn` option alone would keep *only* the best `keep` and could delete
     # the newest step (e.g. a preemption save). Orbax deletes an old step only after the new one is committed.
     policies = [ocp.checkpoint_managers.LatestN(n=keep)]
     if best_metric:
         policies.append(ocp.checkpoint_managers.BestN(
-            get_metric_fn=lambda m: m[best_metric], reverse=True, n=1, keep_checkpoints_without_metrics=False))
+            get_metric_fn=lambda m: m[best_metric], reverse=best_mode == "min", n=1,
+            keep_checkpoints_without_metrics=False))
     # Every `every` steps, or when a preemption notice reached any process; spelled out because the
     # default policy also saves the first step it is asked about (Orbax's InitialSavePolicy).
     decision = ocp.checkpoint_managers.AnySavePolicy([
@@ -145,9 +146,11 @@ class Checkpointer:
     """The run's training checkpoints (`<run_dir>/checkpoints`); every process must make the same calls."""
 
     def __init__(self, run_dir: str, *, every: int, keep: int | None = 3, async_save: bool = True,
-                 best_metric: str | None = None):
+                 best_metric: str | None = None, best_mode: str = "min"):
         self.directory = os.path.join(os.path.abspath(run_dir), CHECKPOINTS)
-        self._mngr = _manager(self.directory, every, keep, async_save=async_save, best_metric=best_metric)
+        self.best_metric, self.best_mode = best_metric, best_mode
+        self._mngr = _manager(self.directory, every, keep, async_save=async_save, best_metric=best_metric,
+                              best_mode=best_mode)
 
     def should_save(self, step: int) -> bool:
         """A regular save is due after `step` (Orbax's interval policy, or a preemption notice)."""
@@ -172,7 +175,7 @@ class Checkpointer:
             model=ocp.args.StandardSave(_model_tree(params, buffers)),
             optimizer=ocp.args.StandardSave({"step": state.step, "opt_state": opt_state}),
             data=ocp.args.JsonSave({"processes": _all_processes_json(data_state)}),
-            meta=ocp.args.JsonSave(meta))
+            meta=ocp.args.JsonSave({**meta, "metrics": metrics} if metrics else meta))
         if state.others:
             items["others"] = ocp.args.StandardSave(_others_tree(state.others, meta))
         self._mngr.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
@@ -182,6 +185,21 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         return sorted(self._mngr.all_steps())
+
+    def best_step(self) -> int | None:
+        """The kept step with the best `best_metric` (the earliest of equals); None without one that has it."""
+        self.wait()  # the step's metrics are in its meta (Orbax keeps them in memory only)
+        metrics = {s: read_meta(os.path.join(self.directory, str(s))).get("metrics") or {} for s in self.steps()}
+        ranked = [(m[self.best_metric], s) for s, m in metrics.items() if self.best_metric in m]
+        if not ranked:
+            return None
+        sign = 1.0 if self.best_mode == "min" else -1.0
+        return min(ranked, key=lambda vs: (sign * vs[0], vs[1]))[1]
+
+    def restore(self, step: int, target, global_rows: bool = False) -> tuple[Any, Any, dict[str, Any]]:
+        """(state, this process's data state, meta) of `step`, laid out like `target` (see `restore_latest`)."""
+        self.wait()
+        return self._restore(step, target, global_rows)
 
     def restore_latest(self, target, global_rows: bool = False) -> tuple[int, Any, Any, dict[str, Any]] | None:
         """(step, state, this process's data state, meta) of the newest checkpoint that restores.

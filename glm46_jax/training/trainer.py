@@ -110,6 +110,9 @@ class Recipe(Protocol):
     def steps_for(self, segment: Any) -> Callable: ...  # jitted step(state, batch, controls, frozen)
     # Held-out metrics ("eval/<metric>", "eval/<set>/<metric>"); {} = no held-out data for the segment.
     def evaluate(self, state: Any, segment: Any, controls: Any) -> dict[str, float]: ...
+    # Asked after every step: the recipe's own reason to end the run there (e.g. its held-out check failed), or None.
+    # The step is saved and the run ends as a completed one (with checkpoint.keep_best, on its best step).
+    def stop_reason(self) -> str | None: ...
     def flops_per_token(self, segment: Any) -> float: ...
     def describe(self, segment: Any) -> dict[str, float]: ...  # scalars logged with each train record
     def checkpoint_meta(self, segment: Any, tokens_seen: int) -> dict[str, Any]: ...
@@ -300,6 +303,7 @@ class _Loop:
     tokens_seen: int = 0
     warned_no_eval: set[str] = dataclasses.field(default_factory=set)
     evaluated: set[str] = dataclasses.field(default_factory=set)  # segments whose eval program is compiled
+    early_stop: str | None = None  # the recipe's reason to end the run (`Recipe.stop_reason`)
 
 
 def fit(recipe: Recipe, state: Any, ckpt: checkpoint.Checkpointer, cfg: TrainConfig, *, run_dir: str,
@@ -325,7 +329,7 @@ def fit(recipe: Recipe, state: Any, ckpt: checkpoint.Checkpointer, cfg: TrainCon
         for step in range(start_step, recipe.total_steps + 1):
             state, inp, stopping = _step(loop, step, state, inp)
             if stopping:
-                logging.warning("%s: saved step %d and stopping", stop.requested, step)
+                logging.warning("%s: saved step %d and stopping", stop.requested or loop.early_stop, step)
                 break
         if final := watch.pending():  # the last save comes after the last record: it gets one of its own
             progress.writer.write(step, final, progress.segments[-1] if progress.segments else "")
@@ -369,6 +373,8 @@ def _step(loop: _Loop, step: int, state: Any, inp: StepInput) -> tuple[Any, Step
         _evaluate(loop, step, state, inp)
     loop.progress.bar.update(1)
     stopping = loop.stop.stop_after(step, loop.ckpt)
+    if not last and not stopping and (reason := recipe.stop_reason()):
+        loop.early_stop = stopping = reason
     if last or stopping or loop.ckpt.should_save(step):
         # keep_best ranks a step by its own eval only: an older eval would misjudge it
         ranked = loop.progress.last_eval if loop.progress.last_eval_step == step else {}
@@ -409,6 +415,6 @@ def _summary(loop: _Loop, step: int) -> dict[str, Any]:
         "end_window": len(tail), **p.last_eval, "compile_s": loop.programs.seconds, "step_s": t.step_s,
         "phases": p.segments, "tokens_seen": loop.tokens_seen,
         "steps": step, "start_step": t.start_step, "preempted": loop.stop.requested,
-        "save_block_s": loop.save_block_s, "rollbacks": loop.bad.rollbacks, "mfu": t.run_mfu,
-        "mfu_peak_source": t.peak_source,
+        "save_block_s": loop.save_block_s, "rollbacks": loop.bad.rollbacks, "early_stop": loop.early_stop,
+        "mfu": t.run_mfu, "mfu_peak_source": t.peak_source,
     }

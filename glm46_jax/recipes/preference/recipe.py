@@ -33,6 +33,7 @@ from glm46_jax.recipes import models
 from glm46_jax.recipes.base import HeldOut, RecipeBase, warn_random_start
 from glm46_jax.recipes.preference import step as pair_step
 from glm46_jax.recipes.preference.config import PreferenceConfig
+from glm46_jax.recipes.preference.agreement import calibration
 from glm46_jax.run_config import RunConfig
 from glm46_jax.training.step import LossFn, TrainState
 from glm46_jax.training.trainer import Segment, StepInput
@@ -124,12 +125,26 @@ class Pairs(RecipeBase):
     def evaluate(self, state: TrainState, segment: Any, controls: Any) -> dict[str, float]:
         return {f"eval/{k}": v for k, v in self.held_out(state).items()}
 
+    def calibration(self, state: TrainState) -> list[dict[str, float]]:
+        """A reward model's held-out pairs per |score margin| bucket: how many, the share it orders right, and the
+        share a calibrated Bradley-Terry model would (`agreement.calibration`)."""
+        scores = pair_step.make_reward_scores(self.main.graphdef, self.name)
+        chosen, rejected = [], []
+        with sharding.use_mesh(self.mesh), jax.transfer_guard("allow"):
+            for batch in self.heldout_sets(self.segment).get("", []):
+                c, r, mask = (np.asarray(x) for x in jax.device_get(scores(state, batch, self.frozen)))
+                chosen.append(c[mask > 0])
+                rejected.append(r[mask > 0])
+        return calibration(np.concatenate(chosen), np.concatenate(rejected)) if chosen else []
+
     def finish(self, state: TrainState, step: int, run_dir: str, tokens_seen: int) -> str | None:
         """Writes <run_dir>/heldout.json (the held-out metrics before and after); LoRA: also the merged weights."""
         after = self.held_out(state)
+        result = {"start": self.start_metrics, "end": after, "steps": step}
+        if self.name == "reward" and after:
+            result["calibration"] = self.calibration(state)
         if jax.process_index() == 0 and after:
-            atomic.write_json(os.path.join(run_dir, "heldout.json"),
-                              {"start": self.start_metrics, "end": after, "steps": step})
+            atomic.write_json(os.path.join(run_dir, "heldout.json"), result)
         if after:
             logging.info("held-out pairs, final model: %s", _fmt(after))
         return super().finish(state, step, run_dir, tokens_seen)

@@ -70,13 +70,19 @@ def _masked_sums(values: dict[str, Array], mask: Array, pairs: Array) -> dict[st
     return {name: jnp.sum(v * mask) / pairs for name, v in values.items()}
 
 
-def reward_loss(params: nnx.State, buffers: nnx.State, batch: Batch, pairs: Array, graphdef: nnx.GraphDef,
-                use_margin: bool) -> tuple[Array, dict[str, Array]]:
-    """The Bradley-Terry loss of the score head read at each reply's last token, and its metrics."""
+def reply_scores(params: nnx.State, buffers: nnx.State, batch: Batch, graphdef: nnx.GraphDef
+                 ) -> tuple[Float[Array, "b k"], Float[Array, "b k"]]:
+    """(chosen, rejected) [b, K]: the score head read at each reply's last token."""
     out = apply(graphdef, params, buffers, batch["inputs"], batch["positions"], batch["segment_ids"], with_mtp=False,
                 with_logits=False)
     scores = out.scores[..., 0]
-    chosen, rejected = at_positions(scores, batch["chosen_end"]), at_positions(scores, batch["rejected_end"])
+    return at_positions(scores, batch["chosen_end"]), at_positions(scores, batch["rejected_end"])
+
+
+def reward_loss(params: nnx.State, buffers: nnx.State, batch: Batch, pairs: Array, graphdef: nnx.GraphDef,
+                use_margin: bool) -> tuple[Array, dict[str, Array]]:
+    """The Bradley-Terry loss of the score head read at each reply's last token, and its metrics."""
+    chosen, rejected = reply_scores(params, buffers, batch, graphdef)
     mask = batch["pair_mask"].astype(jnp.float32)
     margin = batch["margin"].astype(jnp.float32) if use_margin else 0.0
     losses, _ = objective.bradley_terry_loss(chosen, rejected, margin)
@@ -159,6 +165,16 @@ def make_pair_step(loss: LossFn, tx: optax.GradientTransformation, name: str, *,
     """step(state, batch, controls[, frozen]) -> (state, metrics): `loss` in the one update step, normalised by the
     whole batch's pair count."""
     return make_step(loss, {name: tx}, name, accum_steps=accum_steps, batch_stats=pair_count, lr_schedule=lr_schedule)
+
+
+def make_reward_scores(graphdef: nnx.GraphDef, name: str = "reward") -> Callable:
+    """scores(state, batch[, frozen]) -> (chosen, rejected, pair_mask) [b, K] of the reward model `name`."""
+
+    def scores(state, batch, frozen=None):
+        params, buffers = whole_models({name: state.params}, {name: state.buffers}, frozen)
+        return (*reply_scores(params[name], buffers[name], batch, graphdef), batch["pair_mask"])
+
+    return jax.jit(scores)
 
 
 def make_pair_eval(loss: LossFn, name: str) -> Callable:

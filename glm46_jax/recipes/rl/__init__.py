@@ -9,6 +9,9 @@
     sandbox       the subprocess the code reward runs programs in (time, memory, no network, own directory)
     curriculum    the prompt pool: difficulty buckets by measured pass rate, moving to harder ones
     reward_model  a trained reward model as a reward: rollouts scored on the run's mesh
+    labellers     who says which of two completions is better: a checker, a file of labels, a function
+    policy_pairs  on-policy preference pairs: the policy's samples, paired and labelled
+    check         the reward model's held-out check during RL: its verdicts against the labeller's
     objective     the clipped policy-gradient loss and its aggregations, the k3 KL (both recipes' policy loss)
     logprobs      the policy's log-probs of sampled completions with routing replay (both updates, the KL reference)
     grpo/         group advantages, the GRPO update, the GRPO recipe

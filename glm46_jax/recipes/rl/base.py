@@ -40,13 +40,16 @@ from glm46_jax.errors import InputError
 from glm46_jax.parallel import sharding
 from glm46_jax.recipes import models
 from glm46_jax.recipes.base import RecipeBase
+from glm46_jax.recipes.rl import labellers
+from glm46_jax.recipes.rl.check import RewardCheck
 from glm46_jax.recipes.rl.config import RLConfig
 from glm46_jax.recipes.rl.curriculum import CurriculumConfig, PromptPool
 from glm46_jax.recipes.rl.logprobs import reference_logprobs
+from glm46_jax.recipes.rl.policy_pairs import completion_texts
 from glm46_jax.recipes.rl.prompts import tokenizer_path
-from glm46_jax.recipes.rl.reward_model import ModelScorer
+from glm46_jax.recipes.rl.reward_model import EnsembleScorer, ModelScorer
 from glm46_jax.recipes.rl.rewards import Rewards
-from glm46_jax.recipes.rl.rollout import Rollout, Sampling, sample_groups, strip_stop, training_rows
+from glm46_jax.recipes.rl.rollout import Rollout, Sampling, sample_groups, training_rows
 from glm46_jax.run_config import RunConfig
 from glm46_jax.training.step import TrainState, with_frozen
 from glm46_jax.training.trainer import Segment, StepInput
@@ -82,13 +85,14 @@ class RLRecipe(RecipeBase):
     rewards: Rewards
     stop_tokens: tuple[int, ...]
     heldout_rewards: Rewards | None = None  # held-out accuracy's; None = `rewards`
-    scorer: ModelScorer | None = None  # the reward model, when `rewards` names it
+    scorer: ModelScorer | EnsembleScorer | None = None  # the reward model(s), when `rewards` names it
     pool: PromptPool | None = None
     pending: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
     stats: tuple[tuple[str, float], ...] = ()
     rollouts_done: int = 0
     tokens_seen: int = 0
     start_accuracy: float | None = None
+    check: RewardCheck | None = None  # rl.labeller: the reward model's check at every evaluation
 
     # --- the seams: what each recipe brings ----------------------------------------------------
 
@@ -161,6 +165,11 @@ class RLRecipe(RecipeBase):
         elif state is not None:
             self.start_accuracy = self.held_out_accuracy(state)["accuracy"]
             logging.info("held-out accuracy of the starting policy: %.3f", self.start_accuracy)
+        if rl.labeller and state is not None:
+            n = min(rl.check_prompts, len(self.items))
+            self.check = RewardCheck.start(self.cfg.run_dir, self._check_sampler(state), labellers.resolve(rl.labeller),
+                                           self.scorer, self.items[:n], self.prompt_ids[:n], samples=rl.check_samples,
+                                           seed=self.cfg.train.seed)
 
     def data_state(self) -> dict[str, Any]:
         """What a checkpoint holds of where the run is (JSON-able): the pool, the rollout count, the tokens seen."""
@@ -200,7 +209,32 @@ class RLRecipe(RecipeBase):
     def evaluate(self, state: TrainState, segment: Segment, controls: Any) -> dict[str, float]:
         """Greedy generation is a prefill and a decode loop, not one program: eval/accuracy, eval/reward,
         eval/response_len of `held_out_accuracy`."""
-        return {f"eval/{k}": v for k, v in self.held_out_accuracy(state).items()}
+        metrics = self.held_out_accuracy(state)
+        if self.check is not None:
+            metrics.update(self.check(self._check_sampler(state)))
+        return {f"eval/{k}": v for k, v in metrics.items()}
+
+    def stop_reason(self) -> str | None:
+        """The reward model's check diverged at the last evaluation: its win rate over the starting policy exceeds
+        the labeller's by more than rl.check_max_gap."""
+        last = self.check.last if self.check is not None else {}
+        if last and last["check_gap"] > self.rl.check_max_gap:
+            return (f"the reward model's check diverged: it says the policy beats the starting one on "
+                    f"{last['check_proxy_win_rate']:.3f} of the check samples, the labeller "
+                    f"{last['check_win_rate']:.3f} "
+                    f"(gap {last['check_gap']:.3f} > rl.check_max_gap={self.rl.check_max_gap})")
+        return None
+
+    def _check_sampler(self, state: TrainState):
+        """The check's sampler (`check.Sampler`): the policy in `state` at the rollouts' temperature."""
+        sampling = dataclasses.replace(self.sampling(self.rl.temperature), record_routing=False)
+
+        def sample(prompt_ids, group_size, seed):
+            with jax.transfer_guard("allow"), sharding.use_mesh(self.mesh):
+                rollout = sample_groups(self.main.graphdef, self.whole_params(state.params), state.buffers, prompt_ids,
+                                        group_size, sampling, seed)
+            return rollout, self.completions(rollout)
+        return sample
 
     def finish(self, state: TrainState, step: int, run_dir: str, tokens_seen: int) -> str | None:
         """Writes <run_dir>/heldout.json (held-out accuracy before and after); LoRA: also the merged weights."""
@@ -219,8 +253,7 @@ class RLRecipe(RecipeBase):
     # --- rollouts --------------------------------------------------------------------------
 
     def completions(self, rollout: Rollout) -> list[str]:
-        return [self.tok.decode(strip_stop(rollout.completion(i), self.stop_tokens), skip_special_tokens=False)
-                for i in range(len(rollout.prompts))]
+        return completion_texts(self.tok, rollout, self.stop_tokens)
 
     def score(self, rollout: Rollout, items: Sequence[Mapping[str, Any]], rewards: Rewards | None = None
               ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -349,5 +382,7 @@ def model_scorer(cfg: RunConfig, mesh: jax.sharding.Mesh) -> ModelScorer | None:
     rl = cfg.rl
     if "reward_model" not in rl.rewards + rl.heldout_rewards:
         return None
-    return ModelScorer.load(rl.reward_model, mesh, policy_tokenizer=tokenizer_path(cfg),
-                            pad_id=cfg.model.pad_token_id or 0, row_len=rl.max_prompt_len + rl.max_new_tokens)
+    members = [ModelScorer.load(path, mesh, policy_tokenizer=tokenizer_path(cfg), pad_id=cfg.model.pad_token_id or 0,
+                                row_len=rl.max_prompt_len + rl.max_new_tokens)
+               for path in (rl.reward_model, *rl.reward_ensemble)]
+    return members[0] if len(members) == 1 else EnsembleScorer(members, rl.ensemble_penalty)

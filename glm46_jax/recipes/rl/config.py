@@ -37,6 +37,8 @@ class RLConfig:
     rewards: tuple[str, ...] = ("exact_answer",)
     reward_weights: tuple[float, ...] = (1.0,)
     reward_model: str = ""  # with "reward_model" in rewards: a `reward` run or its export (scored on the mesh)
+    reward_ensemble: tuple[str, ...] = ()  # more reward models (e.g. other seeds): the reward is mean - penalty x std
+    ensemble_penalty: float = 1.0  # lambda of the ensemble's conservative score
     heldout_rewards: tuple[str, ...] = ()  # held-out accuracy's rewards (weight 1 each); () = rewards, weighted
     pass_threshold: float = 1.0  # a sample passes when its weighted reward reaches this
     dynamic_sampling: bool = True  # drop groups whose rewards all agree, refill from the pool
@@ -47,10 +49,17 @@ class RLConfig:
     code_timeout_s: float = 5.0
     code_memory_mb: int = 512
     eval_batch: int = 32  # held-out prompts per eval batch (train.eval_batches of them)
+    # The reward model's check (docs/rl.md#the-reward-model-check): at every evaluation, fresh samples of the first
+    # check_prompts prompts of rl.prompts judged by the labeller and by the reward model against the starting policy's.
+    labeller: str = ""  # "" = no check; else a labeller name (recipes/rl/labellers.py), e.g. "exact_answer"
+    check_prompts: int = 64
+    check_samples: int = 4  # per prompt
+    check_max_gap: float = 0.15  # stop when the reward model's win rate exceeds the labeller's by more than this
 
     def __post_init__(self):
         for f in ("group_size", "prompts_per_step", "minibatches", "epochs", "rollouts", "max_prompt_len",
-                  "max_new_tokens", "curriculum_buckets", "code_memory_mb", "eval_batch"):
+                  "max_new_tokens", "curriculum_buckets", "code_memory_mb", "eval_batch", "check_prompts",
+                  "check_samples"):
             check_range("rl", self, f, ge=1)
         check_at_least("rl", self, 0, "max_refill_rounds", "kl_coef", "adv_eps")
         check_range("rl", self, "temperature", gt=0, meaning="sampling temperature (the trainer divides logits "
@@ -69,6 +78,14 @@ class RLConfig:
         check_field("rl", "rewards", self.rewards, len(self.rewards) == len(self.reward_weights) > 0,
                     f"needs one weight each (reward_weights={self.reward_weights})",
                     "set --config.rl.rewards and --config.rl.reward_weights to lists of the same length")
+        check_range("rl", self, "check_max_gap", ge=0)
+        check_range("rl", self, "ensemble_penalty", ge=0)
+        check_field("rl", "reward_ensemble", self.reward_ensemble, not self.reward_ensemble or bool(self.reward_model),
+                    "adds members to rl.reward_model's ensemble, which is not set",
+                    "set --config.rl.reward_model (the first member), or --config.rl.reward_ensemble=()")
+        check_field("rl", "labeller", self.labeller, not self.labeller or "reward_model" in self.rewards,
+                    f"checks the reward model, which rl.rewards={self.rewards} does not use",
+                    "add \"reward_model\" to rl.rewards, or set --config.rl.labeller=''")
         named = "reward_model" in self.rewards + self.heldout_rewards
         check_field("rl", "reward_model", self.reward_model, bool(self.reward_model) == named,
                     "must be set exactly when rl.rewards or rl.heldout_rewards names \"reward_model\" "

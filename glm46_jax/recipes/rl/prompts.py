@@ -76,8 +76,9 @@ def rl_inputs(cfg: RunConfig) -> dict[str, Any]:
     """The prompts, their tokens, the stop tokens and the rewards: the `base.RLRecipe` fields every RL recipe reads."""
     rl = cfg.rl
     if "reward_model" in rl.rewards + rl.heldout_rewards:  # before anything is built: a wrong path fails at once
-        check_reward_dir(rl.reward_model)
-        check_same_tokenizer(rl.reward_model, tokenizer_path(cfg))
+        for path in (rl.reward_model, *rl.reward_ensemble):
+            check_reward_dir(path)
+            check_same_tokenizer(path, tokenizer_path(cfg))
     tok = Tokenizer.from_file(tokenizer_path(cfg))
     items, heldout = read_prompts(rl.prompts), read_prompts(rl.heldout)
     limits = dict(code_timeout_s=rl.code_timeout_s, code_memory_mb=rl.code_memory_mb)

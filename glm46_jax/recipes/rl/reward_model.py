@@ -92,4 +92,25 @@ class ModelScorer:
         return np.asarray(scores, np.float32)[:n]
 
     def __call__(self, rollout: Rollout) -> np.ndarray:
-        return self.score_rows([list(rollout.prompts[i]) + rollout.completion(i) for i in range(len(rollout.prompts))])
+        return self.score_rows(scored_rows(rollout))
+
+
+@dataclasses.dataclass
+class EnsembleScorer:
+    """k reward models (e.g. trained with k seeds) as one conservative reward: per row, the mean of their scores
+    minus `penalty` x their standard deviation, so a sample the members disagree on earns less
+    (docs/preferences.md#an-ensemble)."""
+    members: list[ModelScorer]
+    penalty: float
+
+    def score_rows(self, rows: list[list[int]]) -> np.ndarray:
+        scores = np.stack([m.score_rows(rows) for m in self.members]).astype(np.float64)
+        return (scores.mean(axis=0) - self.penalty * scores.std(axis=0)).astype(np.float32)
+
+    def __call__(self, rollout: Rollout) -> np.ndarray:
+        return self.score_rows(scored_rows(rollout))
+
+
+def scored_rows(rollout: Rollout) -> list[list[int]]:
+    """Prompt + completion (its stop token included) per row: what a reward model scores."""
+    return [list(rollout.prompts[i]) + rollout.completion(i) for i in range(len(rollout.prompts))]

@@ -11,8 +11,10 @@
 #                   then GRPO; prints the held-out exact-match accuracy before and after (extra GRPO flags with ARGS=...)
 #   make dpo        after make train and make sft: LoRA DPO of the chat model on the sample preference pairs; prints
 #                   the held-out pairs' metrics before and after (docs/preferences.md#the-recipes)
-#   make rlhf       after the RL demo's SFT (make rl builds it): a reward model on addition pairs, then PPO against it;
-#                   prints the reward model's pair accuracy and PPO's held-out exact-match before and after
+#   make rlhf       after the RL demo's SFT (make rl builds it): the SFT policy's own samples labelled in pairs, a reward
+#                   model on them, then PPO against it alone with the reward model's check; prints the reward model's
+#                   on-policy pair accuracy, PPO's held-out exact-match before and after, and the check's curve
+#                   (runs/ppo_tiny/check_curve.png)
 #   make test-jax-min  the model/step tests on jax 0.11.2 + flax 0.12.10 (pyproject's lowest, the lent GPU image's
 #                   jax) in a second venv .venv-jax011; JAX_MIN_TESTS="tests/x.py ..." picks the files
 #   make test-serving  our exports served by a real vLLM (CPU build) and the quantized exports checked by their loaders
@@ -180,8 +182,8 @@ rl: runs/sft_rl_addition/status.json
 	        f"{b:.3f} +- {se(b):.3f} after ({b - a:+.3f})")'
 
 # Preference demos. make dpo: LoRA DPO of make sft's chat model on the sample pairs (addition answers; replies that
-# end vs. ramble); make rlhf: a reward model on the addition pairs, then PPO against it (after the RL demo's SFT).
-# What they print, measured: docs/preferences.md#the-cpu-demos (the RLHF one shows reward hacking).
+# end vs. ramble); make rlhf: a reward model on the SFT policy's own labelled pairs, then PPO against it (after the RL
+# demo's SFT). What they print, measured: docs/preferences.md#the-cpu-demos.
 SAMPLE_PREFS := data/sample_preferences
 
 $(SAMPLE_PREFS)/metadata.json: | $(VENV)/.installed $(SAMPLE)/metadata.json
@@ -197,21 +199,18 @@ dpo: $(SAMPLE_PREFS)/metadata.json runs/sft_tiny/status.json
 	  b["margin"]; print(f"held-out pairs ({n:.0f}): chosen reply more likely per token {a_len:.3f} before DPO -> " \
 	                     f"{b_len:.3f} after; implicit-reward accuracy {acc:.3f}, margin {margin:.3f}")'
 
-$(RL_DATA)/preferences/metadata.json: | $(RL_DATA)/sft/metadata.json
-	$(PY) -m data_prep sample-preferences --tokenizer $(RL_DATA)/tokenizer.json --kinds addition --pairs 8000 \
-	  --out $(RL_DATA)/preferences
+# The SFT policy's own samples of 4,000 training prompts, pairs labelled by the exact answer (docs/preferences.md).
+$(RL_DATA)/policy_pairs/metadata.json: | runs/sft_rl_addition/status.json
+	$(PY) -m data_prep policy-preferences --checkpoint runs/sft_rl_addition --prompts $(RL_DATA)/prompts_train.jsonl \
+	  --labeller exact_answer --max-prompts 4000 --max-prompt-len 16 --max-new-tokens 6 --heldout-fraction 0.05 \
+	  --max-len 128 --out $(RL_DATA)/policy_pairs
 
-runs/reward_tiny/heldout.json: | $(RL_DATA)/preferences/metadata.json runs/sft_rl_addition/status.json
+runs/reward_tiny/heldout.json: | $(RL_DATA)/policy_pairs/metadata.json
 	$(PY) -m glm46_jax.train --config=configs/reward.py:tiny
 
 rlhf: runs/reward_tiny/heldout.json
 	$(PY) -m glm46_jax.train --config=configs/ppo.py:tiny $(ARGS)
-	@$(PY) -c 'import json; rm = json.load(open("runs/reward_tiny/heldout.json")); \
-	  r = json.load(open("runs/ppo_tiny/heldout.json")); a, b, n = r["start_accuracy"], r["end"]["accuracy"], \
-	  r["problems"]; se = lambda p: (p * (1 - p) / n) ** 0.5; rm0, rm1 = rm["start"]["accuracy"], rm["end"]["accuracy"]; \
-	  print(f"reward model: held-out pair accuracy {rm0:.3f} -> {rm1:.3f}"); \
-	  print(f"PPO: held-out exact-match accuracy on {n} problems (greedy): {a:.3f} +- {se(a):.3f} before -> " \
-	        f"{b:.3f} +- {se(b):.3f} after ({b - a:+.3f})")'
+	$(PY) -m glm46_jax.recipes.rl.check_curve runs/ppo_tiny --reward-run runs/reward_tiny
 
 fixtures: $(VENV_HF)/.installed
 	$(PY_HF) tests/fixtures/make_hf_fixtures.py --out tests/fixtures

@@ -1,6 +1,6 @@
-"""Reward-model configs: `get_config("<preset>")` for tiny | glm46.
+"""Reward-model configs: `get_config("<preset>")` for tiny | synthetic | glm46.
 
-    make rlhf                                                  # tiny: reward model on addition pairs, then PPO
+    make rlhf                                  # tiny: reward model on the SFT policy's own pairs, then PPO
     python -m glm46_jax.train --config=configs/reward.py:glm46 --config.checkpoint.init_from=runs/sft_glm46/merged \
         --config.preference.root=data/my_preferences
 
@@ -22,11 +22,22 @@ from glm46_jax.recipes.preference.config import PreferenceConfig
 from glm46_jax.run_config import fine_tuning_config
 
 _PRESETS = {
-    # The RLHF demo's first stage (make rlhf): the addition SFT model (configs/sft.py:rl_addition) learns to tell
-    # a correct sum from a wrong one on `data_prep sample-preferences --kinds addition --pairs 8000` (7,206 train
-    # pairs; 600 steps of 48 pairs are 4 passes): held-out pair accuracy 0.45 -> 0.73; 2,000 pairs and 150 steps
-    # gave 0.56.
+    # The RLHF demo's reward model (make rlhf): the addition SFT model (configs/sft.py:rl_addition) learns to tell a
+    # right sum from a wrong one on its own samples (`data_prep policy-preferences`, labelled by the exact answer;
+    # docs/preferences.md#the-cpu-demos), with TRL's reward centering: without it the scores of each prompt float at
+    # their own offset and PPO against them lowered held-out accuracy.
     "tiny": dict(
+        base="tiny", init_from="runs/sft_rl_addition", root="data/rl_addition/policy_pairs",
+        preference=dict(method="full", seq_len=128, global_batch=16, pairs_per_row=3, center_rewards=0.01),
+        train=dict(steps=800, log_every=10, eval_every=200, eval_batches=8),
+        checkpoint=dict(every=200, keep=1),
+        optim=dict(lr=1e-3, end_lr=1e-4, warmup_steps=10, algorithm="adamw", weight_decay=0.0, clip=1.0),
+        lora=None,
+    ),
+    # The same on synthetic pairs: `data_prep sample-preferences --kinds addition --pairs 8000` (7,206 train pairs;
+    # 600 steps of 48 pairs are 4 passes): held-out pair accuracy 0.45 -> 0.73; 2,000 pairs and 150 steps gave 0.56.
+    # PPO against it hacks it (docs/preferences.md#the-cpu-demos).
+    "synthetic": dict(
         base="tiny", init_from="runs/sft_rl_addition", root="data/rl_addition/preferences",
         preference=dict(method="full", seq_len=128, global_batch=16, pairs_per_row=3),
         train=dict(steps=600, log_every=10, eval_every=200, eval_batches=4),

@@ -28,8 +28,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--labeller", default="exact_answer",
                    help="exact_answer | code_tests | ... | reward:module:fn | file:labels.jsonl | module:function")
     g.add_argument("--max-prompts", type=int, default=0, help="use the first N prompts (0 = all)")
-    g.add_argument("--samples", type=int, default=4, help="completions sampled per prompt")
-    g.add_argument("--pairs-per-prompt", type=int, default=1, help="most labelled pairs kept per prompt")
+    g.add_argument("--samples", type=int, default=8, help="completions sampled per prompt")
+    g.add_argument("--pairs-per-prompt", type=int, default=2, help="most labelled pairs kept per prompt")
     g.add_argument("--max-prompt-len", type=int, default=32, help="prompt tokens (longer prompts are an error)")
     g.add_argument("--max-new-tokens", type=int, default=8, help="completion tokens; a cut completion is left out")
     g.add_argument("--temperature", type=float, default=1.0)

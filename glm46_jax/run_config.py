@@ -44,6 +44,7 @@ class CheckpointConfig:
     keep_best: bool = False  # also the best step by `best_metric`; a run its recipe stops early ends on it
     best_metric: str = "eval/ce"  # e.g. "eval/code/ce" (with train.eval_per_domain) in mid-training
     best_mode: str = "min"  # min: lower is better (a loss) | max: higher is (an accuracy, a win rate)
+    end_on_best: bool = False  # with keep_best: a completed run also ends on its best step, not its last
     async_save: bool = True
     resume: str = "auto"  # auto: continue from the newest complete checkpoint | never: start fresh
     init_from: str = ""  # a run dir / checkpoint (e.g. from `convert hf-to-ckpt`) whose weights start a new run
@@ -53,6 +54,8 @@ class CheckpointConfig:
         check_at_least("checkpoint", self, 0, "keep", meaning="0 keeps all")
         check_choice("checkpoint", self, "resume", ("auto", "never"))
         check_choice("checkpoint", self, "best_mode", ("min", "max"))
+        check_field("checkpoint", "end_on_best", self.end_on_best, self.keep_best or not self.end_on_best,
+                    "needs a best step to end on", "set --config.checkpoint.keep_best=True (and its best_metric)")
         check_field("checkpoint", "best_metric", self.best_metric, self.best_metric.startswith("eval/"),
                     "must name a held-out metric (eval/ce, or eval/<domain>/ce with train.eval_per_domain)",
                     "set --config.checkpoint.best_metric")

@@ -17,7 +17,7 @@ weights, optimizer, data-iterator state, meta), from which a restarted run resum
 status.json: {"state": "complete" | "stopped" (by SIGTERM/SIGUSR1, saved and resumable), "step",
 "total_steps", "reason", "rolled_back_to"}, or "hung" (written by the watchdog, glm46_jax/monitoring/watchdog.py).
 A run its recipe ends early (`Recipe.stop_reason`, e.g. RL's reward-model check) is "complete", the reason given; with
-checkpoint.keep_best it ends on its best step (`rolled_back_to`).
+checkpoint.keep_best it ends on its best step (`rolled_back_to`), as a completed run does with checkpoint.end_on_best.
 
 Multi-process (`distributed.initialize`, called first by `main`: Slurm's srun, or
 `launch/local_multiprocess.sh N`): every process runs this same program on its own devices and
@@ -90,7 +90,7 @@ def train(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
         with trainer.Preemption(multi_process=jax.process_count() > 1) as stop:
             state, summary = trainer.fit(recipe, state, ckpt, cfg.train, run_dir=cfg.run_dir, start_step=start_step,
                                          stop=stop, global_rows=recipe.global_rows, monitor_cfg=cfg.monitor)
-        if summary["early_stop"] and c.keep_best:
+        if (summary["early_stop"] or c.end_on_best) and c.keep_best and not stop.requested:
             state, summary = _roll_back(ckpt, state, summary, recipe.global_rows)
         if not stop.requested:  # e.g. LoRA: the merged weights
             summary["merged"] = recipe.finish(state, summary.get("rolled_back_to") or summary["steps"], cfg.run_dir,
@@ -114,13 +114,14 @@ def train(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
 
 def _roll_back(ckpt: checkpoint.Checkpointer, state: TrainState, summary: dict[str, Any], global_rows: bool
                ) -> tuple[TrainState, dict[str, Any]]:
-    """A run its recipe stopped ends on its best kept step (checkpoint.keep_best), not on the step that stopped it."""
+    """A run its recipe stopped (or any completed one, with checkpoint.end_on_best) ends on its best kept step
+    (checkpoint.keep_best), not on its last one."""
     best = ckpt.best_step()
     summary["rolled_back_to"] = best
     if best is not None and best != summary["steps"]:
         state, _, _ = ckpt.restore(best, state, global_rows)
-        logging.warning("the run stopped at step %d (%s): rolled back to step %d, the best by %s",
-                        summary["steps"], summary["early_stop"], best, ckpt.best_metric)
+        logging.warning("the run ended at step %d (%s): rolled back to step %d, the best by %s", summary["steps"],
+                        summary["early_stop"] or "checkpoint.end_on_best", best, ckpt.best_metric)
     return state, summary
 
 

@@ -194,3 +194,28 @@ def test_an_ensemble_scores_mean_minus_penalty_times_std():
     got = EnsembleScorer(members, penalty=0.5).score_rows([[1], [2]])
     np.testing.assert_allclose(got, [2.0 - 0.5 * np.sqrt(2.0 / 3.0), 5.0], rtol=1e-6)
     np.testing.assert_allclose(EnsembleScorer(members, penalty=0.0).score_rows([[1], [2]]), [2.0, 5.0])
+
+
+def test_the_check_curve_reads_a_run(tmp_path, capsys):
+    """check_curve on a hand-written run dir: the accuracy line with its standard errors (0.25 of 500: se 0.0194), the
+    stop, the table's rows in step order (the later record of a step wins) and the PNG."""
+    from glm46_jax.recipes.rl import check_curve
+
+    run = tmp_path / "ppo"
+    run.mkdir()
+    check = {"eval/accuracy": 0.25, "eval/check_win_rate": 0.5, "eval/check_proxy_win_rate": 0.5,
+             "eval/check_agreement": 0.9}
+    records = [{"step": 10, "train/loss": 1.0}, {"step": 20, **check}, {"step": 10, **check},
+               {"step": 20, **check, "eval/check_proxy_win_rate": 0.8}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "heldout.json").write_text(json.dumps({"start_accuracy": 0.25, "end": {"accuracy": 0.3}, "problems": 500}))
+    (run / "status.json").write_text(json.dumps({"step": 20, "reason": "the check diverged", "rolled_back_to": 10}))
+    assert check_curve.main([str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("held-out exact-match accuracy on 500 problems (greedy): 0.250 +- 0.019 before -> 0.300 after "
+                      "(+0.050, +2.6 standard errors)")
+    assert out[1] == "stopped at step 20: the check diverged; ended on step 10"
+    assert [line.split()[0] for line in out[3:5]] == ["10", "20"] and "0.800" in out[4]
+    assert (run / "check_curve.png").stat().st_size > 1000
+    with pytest.raises(InputError, match="heldout.json: not found"):
+        check_curve.summary_lines(str(tmp_path))

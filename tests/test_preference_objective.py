@@ -74,6 +74,10 @@ def test_simpo_and_bradley_terry_match_numpy():
         bt, bt_stats = objective.bradley_terry_loss(jnp.asarray(s_c), jnp.asarray(s_r), jnp.asarray(margin))
         np.testing.assert_allclose(np.asarray(bt), -_log_sigmoid(s_c - s_r - margin), rtol=1e-12)
         assert float(bt_stats["accuracy"]) == pytest.approx((s_c > s_r).mean())
+        # TRL's RewardTrainer with center_rewards_coefficient c: loss.mean() + c * mean((r_c + r_r) ** 2)
+        centered, _ = objective.bradley_terry_loss(jnp.asarray(s_c), jnp.asarray(s_r), jnp.asarray(margin), center=0.01)
+        trl = np.mean(-_log_sigmoid(s_c - s_r - margin)) + 0.01 * np.mean((s_c + s_r) ** 2)
+        assert float(np.mean(np.asarray(centered))) == pytest.approx(trl, rel=1e-12)
 
 
 # ------------------------------------------------------------------------------------------ TRL golden values

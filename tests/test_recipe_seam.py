@@ -185,28 +185,31 @@ class StopsItself(TwoModels):
         return "the score fell" if self.seen and self.seen[-1] < max(self.seen) - 0.1 else None
 
 
-def test_a_run_its_recipe_stops_ends_on_its_best_checkpoint(straight, tmp_path):
-    """The recipe stops the run after step 6's evaluation (0.6, below step 4's 0.8): step 6 is saved, nothing later
-    runs, and with keep_best (best_mode max) the run ends on step 4's weights: those of the straight 4-step run."""
+@pytest.mark.parametrize("how", ["stops", "end_on_best"])
+def test_a_run_ends_on_its_best_checkpoint(straight, tmp_path, how):
+    """stops: the recipe stops a 10-step run after step 6's evaluation (0.6, below step 4's 0.8): step 6 is saved,
+    nothing later runs, and with keep_best (best_mode max) the run ends on step 4's weights, those of the straight
+    4-step run. end_on_best: a 6-step run that nothing stops ends there too."""
     import json
 
     _, state4, _, _ = straight
-    run_dir = str(tmp_path / "stops")
+    run_dir = str(tmp_path / how)
 
     def build_stopping(cfg, devices):
         recipe, state = build(cfg, devices)
         return StopsItself(recipe.cfg, recipe.built), state
 
-    c = config(run_dir, 10)
+    c = config(run_dir, 10 if how == "stops" else 6)
     c = dataclasses.replace(c, train=dataclasses.replace(c.train, eval_every=2),
-                            checkpoint=dataclasses.replace(c.checkpoint, keep=1, keep_best=True,
-                                                           best_metric="eval/score", best_mode="max"))
+                            checkpoint=dataclasses.replace(c.checkpoint, keep=1, keep_best=True, best_metric="eval/score",
+                                                           best_mode="max", end_on_best=how == "end_on_best"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(run_config.RECIPES, "two_models", run_config.RecipeEntry(build_stopping, lambda c: c.train.steps))
         state, summary = train.train(c, jax.devices()[:1])
-    assert summary["steps"] == 6 and summary["early_stop"] == "the score fell" and summary["rolled_back_to"] == 4
+    reason = "the score fell" if how == "stops" else None  # at the last step nothing is asked
+    assert summary["steps"] == 6 and summary["early_stop"] == reason and summary["rolled_back_to"] == 4
     with open(os.path.join(run_dir, "status.json")) as f:
-        assert json.load(f) == {"state": "complete", "step": 6, "total_steps": 10, "reason": "the score fell",
+        assert json.load(f) == {"state": "complete", "step": 6, "total_steps": c.total_steps, "reason": reason,
                                 "rolled_back_to": 4}
     assert sorted(int(d) for d in os.listdir(os.path.join(run_dir, "checkpoints")) if d.isdigit()) == [4, 6]
     for a, b in zip(jax.tree.leaves(state4), jax.tree.leaves(state), strict=True):

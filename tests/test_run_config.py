@@ -267,7 +267,7 @@ def test_an_adaptive_kl_without_a_starting_coefficient_is_refused():
         run_config.from_config_dict(c)
 
 
-def test_a_reward_model_check_needs_a_reward_model_and_a_known_best_mode():
+def test_the_reward_model_check_and_the_best_step_settings_are_checked():
     """rl.labeller checks the reward model against a labeller: a run rewarded without one is refused, naming both
     fields; checkpoint.best_mode is min or max."""
     c = run_config.config_file(os.path.join(ROOT, "configs", "ppo.py"), "addition")  # the exact-answer reward
@@ -279,4 +279,7 @@ def test_a_reward_model_check_needs_a_reward_model_and_a_known_best_mode():
     c.rl.labeller = ""
     c.checkpoint.best_mode = "highest"
     with pytest.raises(InputError, match="checkpoint.best_mode='highest'"):
+        run_config.from_config_dict(c)
+    c.checkpoint.best_mode, c.checkpoint.end_on_best = "max", True
+    with pytest.raises(InputError, match="checkpoint.end_on_best=True: needs a best step to end on"):
         run_config.from_config_dict(c)

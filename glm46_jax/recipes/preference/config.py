@@ -29,6 +29,9 @@ class PreferenceConfig:
     label_smoothing: float = 0.0  # the assumed share of flipped labels (cDPO); sigmoid and simpo
     gamma: float = 0.5  # SimPO's target margin (its gamma; TRL's simpo_gamma)
     use_margin: bool = False  # reward: subtract each pair's "margin" in the Bradley-Terry loss (Llama 2)
+    # reward: + center_rewards x (s_chosen + s_rejected)^2 per pair (TRL's center_rewards_coefficient, Eisenstein et
+    # al. 2023): the loss alone fixes only score differences, so each prompt's scores would float by their own offset
+    center_rewards: float = 0.0
 
     def __post_init__(self):
         check_at_least("preference", self, 2, "seq_len")
@@ -40,7 +43,7 @@ class PreferenceConfig:
         check_range("preference", self, "beta", gt=0)
         check_range("preference", self, "label_smoothing", ge=0, lt=0.5,
                     meaning="the share of flipped labels assumed (below 0.5)")
-        check_at_least("preference", self, 0, "gamma")
+        check_at_least("preference", self, 0, "gamma", "center_rewards")
 
     def steps(self, train_steps: int) -> int:
         """The run's length: train.steps when > 0, else `epochs` passes over the train split's tokens in rows of

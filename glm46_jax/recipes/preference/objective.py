@@ -10,7 +10,7 @@ With h = (pi_c - pi_r) - (ref_c - ref_r), the policy's log-ratio of chosen over 
 The caller chooses what a sequence log-prob is: a sum over the completion tokens (DPO) or their mean (IPO as TRL
 runs it); the functions only combine them. SimPO has no reference: with length-averaged log-probs a_c, a_r,
   simpo    -(1 - eps) log sigmoid(beta (a_c - a_r) - gamma) - eps log sigmoid(-(beta (a_c - a_r) - gamma)).
-Bradley-Terry (reward model): -log sigmoid(s_c - s_r - margin).
+Bradley-Terry (reward model): -log sigmoid(s_c - s_r - margin) [+ center (s_c + s_r)^2, TRL's reward centering].
 Implicit rewards reported: beta (pi - ref) for chosen and rejected (DPO/IPO), beta a (SimPO).
 """
 
@@ -49,10 +49,12 @@ def simpo_loss(avg_chosen: Float[Array, "n"], avg_rejected: Float[Array, "n"], *
 
 
 def bradley_terry_loss(chosen: Float[Array, "n"], rejected: Float[Array, "n"],
-                       margin: Float[Array, "n"] | float = 0.0, mask: Float[Array, "n"] | None = None
-                       ) -> tuple[Float[Array, "n"], dict[str, Array]]:
-    """The reward model's pairwise loss on scalar scores, with an optional (per-pair) margin."""
-    return -jax.nn.log_sigmoid(chosen - rejected - margin), _reward_stats(chosen, rejected, mask)
+                       margin: Float[Array, "n"] | float = 0.0, mask: Float[Array, "n"] | None = None,
+                       center: float = 0.0) -> tuple[Float[Array, "n"], dict[str, Array]]:
+    """The reward model's pairwise loss on scalar scores, with an optional (per-pair) margin and TRL's centering term
+    center x (chosen + rejected)^2."""
+    losses = -jax.nn.log_sigmoid(chosen - rejected - margin) + center * jnp.square(chosen + rejected)
+    return losses, _reward_stats(chosen, rejected, mask)
 
 
 def masked_mean(x: Float[Array, "n"], mask: Float[Array, "n"] | None) -> Float[Array, ""]:

@@ -80,12 +80,12 @@ def reply_scores(params: nnx.State, buffers: nnx.State, batch: Batch, graphdef: 
 
 
 def reward_loss(params: nnx.State, buffers: nnx.State, batch: Batch, pairs: Array, graphdef: nnx.GraphDef,
-                use_margin: bool) -> tuple[Array, dict[str, Array]]:
+                use_margin: bool, center: float = 0.0) -> tuple[Array, dict[str, Array]]:
     """The Bradley-Terry loss of the score head read at each reply's last token, and its metrics."""
     chosen, rejected = reply_scores(params, buffers, batch, graphdef)
     mask = batch["pair_mask"].astype(jnp.float32)
     margin = batch["margin"].astype(jnp.float32) if use_margin else 0.0
-    losses, _ = objective.bradley_terry_loss(chosen, rejected, margin)
+    losses, _ = objective.bradley_terry_loss(chosen, rejected, margin, center=center)
     metrics = _masked_sums({"loss": losses, "chosen": chosen, "rejected": rejected, "margin": chosen - rejected,
                             "accuracy": (chosen > rejected).astype(jnp.float32)}, mask, pairs)
     metrics["pairs"] = mask.sum()
@@ -147,7 +147,8 @@ def reward_objective(graphdef: nnx.GraphDef, pref: PreferenceConfig, name: str =
     """`reward_loss` as a `training.step.LossFn` of the model `name`."""
 
     def loss(params, buffers, batch, ctx):
-        return reward_loss(params[name], buffers[name], batch, ctx["pairs"], graphdef, pref.use_margin)
+        return reward_loss(params[name], buffers[name], batch, ctx["pairs"], graphdef, pref.use_margin,
+                           pref.center_rewards)
     return loss
 
 

@@ -12,6 +12,7 @@
     labellers     who says which of two completions is better: a checker, a file of labels, a function
     policy_pairs  on-policy preference pairs: the policy's samples, paired and labelled
     check         the reward model's held-out check during RL: its verdicts against the labeller's
+    check_curve   an RL run against a reward model in numbers and a PNG: accuracy before and after, the check
     objective     the clipped policy-gradient loss and its aggregations, the k3 KL (both recipes' policy loss)
     logprobs      the policy's log-probs of sampled completions with routing replay (both updates, the KL reference)
     grpo/         group advantages, the GRPO update, the GRPO recipe

@@ -199,11 +199,11 @@ dpo: $(SAMPLE_PREFS)/metadata.json runs/sft_tiny/status.json
 	  b["margin"]; print(f"held-out pairs ({n:.0f}): chosen reply more likely per token {a_len:.3f} before DPO -> " \
 	                     f"{b_len:.3f} after; implicit-reward accuracy {acc:.3f}, margin {margin:.3f}")'
 
-# The SFT policy's own samples of 4,000 training prompts, pairs labelled by the exact answer (docs/preferences.md).
+# The SFT policy's own samples (16 of each training prompt), pairs labelled by the exact answer (docs/preferences.md).
 $(RL_DATA)/policy_pairs/metadata.json: | runs/sft_rl_addition/status.json
 	$(PY) -m data_prep policy-preferences --checkpoint runs/sft_rl_addition --prompts $(RL_DATA)/prompts_train.jsonl \
-	  --labeller exact_answer --max-prompts 4000 --max-prompt-len 16 --max-new-tokens 6 --heldout-fraction 0.05 \
-	  --max-len 128 --out $(RL_DATA)/policy_pairs
+	  --labeller exact_answer --samples 16 --pairs-per-prompt 3 --max-prompt-len 16 --max-new-tokens 6 \
+	  --heldout-fraction 0.05 --max-len 128 --out $(RL_DATA)/policy_pairs
 
 runs/reward_tiny/heldout.json: | $(RL_DATA)/policy_pairs/metadata.json
 	$(PY) -m glm46_jax.train --config=configs/reward.py:tiny

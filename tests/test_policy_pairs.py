@@ -55,7 +55,7 @@ def test_labeller_names():
     assert labellers.resolve("test_policy_pairs:prefer_shorter")("12", "123", ITEM) == 1.0
     with pytest.raises(InputError, match="labeller 'exact': give a checker"):
         labellers.resolve("exact")
-    with pytest.raises(InputError, match="cannot import it"):
+    with pytest.raises(InputError, match="labeller: cannot import .no_such_module:fn."):
         labellers.resolve("no_such_module:fn")
 
 

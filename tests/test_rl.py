@@ -333,9 +333,10 @@ def addition_sft(tmp_path_factory):
     return root, data
 
 
-# make rlhf's first stage (Makefile): the SFT policy's samples of 4,000 training prompts, labelled by the exact answer.
-RLHF_PAIRS = ["--labeller", "exact_answer", "--max-prompts", "4000", "--max-prompt-len", "16", "--max-new-tokens", "6",
-              "--heldout-fraction", "0.05", "--max-len", "128"]
+# make rlhf's first stage (Makefile): 16 samples of each training prompt from the SFT policy, up to 3 pairs of them
+# per prompt labelled by the exact answer.
+RLHF_PAIRS = ["--labeller", "exact_answer", "--samples", "16", "--pairs-per-prompt", "3", "--max-prompt-len", "16",
+              "--max-new-tokens", "6", "--heldout-fraction", "0.05", "--max-len", "128"]
 
 
 @pytest.fixture(scope="module")
@@ -369,9 +370,9 @@ def test_policy_preferences_pair_the_sft_models_own_samples(addition_sft, rlhf_p
         item = answers[line["messages"][0]["content"]]
         assert rewards.exact_answer(line["chosen"]["content"], item) == 1.0
         assert rewards.exact_answer(line["rejected"]["content"], item) == 0.0
-    assert counts["samples"] == 4000 * 8 and counts["pairs"] == len(lines) > 2000
+    assert counts["samples"] == 8500 * 16 and counts["pairs"] == len(lines) > 10_000
     assert len(lines) <= counts["asked"] - counts["no_preference"]
-    assert len({line["messages"][0]["content"] for line in lines}) * 2 >= len(lines)  # at most 2 per prompt
+    assert len({line["messages"][0]["content"] for line in lines}) * 3 >= len(lines)  # at most 3 per prompt
     splits = meta["splits"]
     assert splits["train"]["pairs"] + splits["heldout"]["pairs"] + meta["pairs"]["skipped"] == len(lines)
 

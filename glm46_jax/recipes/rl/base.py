@@ -377,8 +377,9 @@ def rollout_batch(cfg: RunConfig) -> models.BatchShape:
                              "rl.max_prompt_len + rl.max_new_tokens", rl.max_prompt_len + rl.max_new_tokens)
 
 
-def model_scorer(cfg: RunConfig, mesh: jax.sharding.Mesh) -> ModelScorer | None:
-    """The reward model when rl.rewards (or rl.heldout_rewards) names it, on the run's mesh."""
+def model_scorer(cfg: RunConfig, mesh: jax.sharding.Mesh) -> ModelScorer | EnsembleScorer | None:
+    """The reward model (or rl.reward_ensemble's conservative score) when rl.rewards or rl.heldout_rewards names it, on
+    the run's mesh."""
     rl = cfg.rl
     if "reward_model" not in rl.rewards + rl.heldout_rewards:
         return None

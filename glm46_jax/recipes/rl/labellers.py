@@ -14,7 +14,6 @@ for any importable labeller.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -79,14 +78,7 @@ def resolve(name: str) -> Labeller:
         return FromReward(rl_rewards.BUILTIN[name])
     if name.startswith("reward:"):
         return FromReward(rl_rewards.resolve(name.removeprefix("reward:")))
-    module, _, attr = name.partition(":")
-    if not attr:
+    if ":" not in name:
         raise InputError(f"labeller {name!r}: give a checker ({sorted(rl_rewards.BUILTIN)} or 'reward:module:fn'), "
                          "'file:<labels.jsonl>' or 'module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise InputError(f"labeller {name!r}: cannot import it ({e}); give 'package.module:function'") from e
-    if not callable(fn):
-        raise InputError(f"labeller {name!r} is not callable")
-    return fn
+    return rl_rewards.import_callable(name, "labeller")

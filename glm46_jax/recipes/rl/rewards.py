@@ -90,16 +90,21 @@ def resolve(name: str, *, code_timeout_s: float = 5.0, code_memory_mb: int = 512
         return functools.partial(code_tests, timeout_s=code_timeout_s, memory_mb=code_memory_mb)
     if name in BUILTIN:
         return BUILTIN[name]
-    module, _, attr = name.partition(":")
-    if not attr:
+    if ":" not in name:
         raise InputError(f"rl.rewards: {name!r} is neither a built-in ({sorted(BUILTIN)} or {MODEL_REWARD!r}) nor "
                          "'module:function'")
+    return import_callable(name, "rl.rewards")
+
+
+def import_callable(name: str, where: str) -> Any:
+    """The callable "package.module:function" names (a reward, a labeller); `where` names the setting in errors."""
+    module, _, attr = name.partition(":")
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
-        raise InputError(f"rl.rewards: cannot import {name!r} ({e}); give 'package.module:function'") from e
+        raise InputError(f"{where}: cannot import {name!r} ({e}); give 'package.module:function'") from e
     if not callable(fn):
-        raise InputError(f"rl.rewards: {name!r} is not callable")
+        raise InputError(f"{where}: {name!r} is not callable")
     return fn
 
 

@@ -15,7 +15,7 @@ Writes to `run_dir`: config.json (the config as given), tokenizer.json (the corp
 metrics.jsonl and tensorboard/ (`monitor.sinks`: also Prometheus and W&B; docs/monitoring.md), checkpoints/<step>/ (`checkpoint.Checkpointer`:
 weights, optimizer, data-iterator state, meta), from which a restarted run resumes, and at the end
 status.json: {"state": "complete" | "stopped" (by SIGTERM/SIGUSR1, saved and resumable), "step",
-"total_steps", "reason", "rolled_back_to"}, or "hung" (written by the watchdog, glm46_jax/monitoring/watchdog.py).
+"total_steps", "reason"[, "rolled_back_to"]}, or "hung" (written by the watchdog, glm46_jax/monitoring/watchdog.py).
 A run its recipe ends early (`Recipe.stop_reason`, e.g. RL's reward-model check) is "complete", the reason given; with
 checkpoint.keep_best it ends on its best step (`rolled_back_to`), as a completed run does with checkpoint.end_on_best.
 
@@ -101,10 +101,11 @@ def train(cfg: RunConfig, devices: Sequence[jax.Device] | None = None) -> tuple[
 
     step = summary["steps"]
     if is_main:  # for schedulers: launch/slurm_pretrain.sbatch requeues a run that stopped early
-        atomic.write_json(os.path.join(cfg.run_dir, "status.json"), {
-            "state": "stopped" if stop.requested else "complete", "step": step,
-            "total_steps": recipe.total_steps, "reason": stop.requested or summary["early_stop"],
-            "rolled_back_to": summary.get("rolled_back_to")})
+        status = {"state": "stopped" if stop.requested else "complete", "step": step,
+                  "total_steps": recipe.total_steps, "reason": stop.requested or summary["early_stop"]}
+        if summary.get("rolled_back_to") is not None:
+            status["rolled_back_to"] = summary["rolled_back_to"]
+        atomic.write_json(os.path.join(cfg.run_dir, "status.json"), status)
     summary.update(wall_s=time.perf_counter() - t_start, checkpoint=os.path.join(ckpt.directory, str(step)),
                    total_steps=recipe.total_steps)
     if is_main:

@@ -49,7 +49,8 @@ def summary_lines(run_dir: str, reward_run: str | None = None) -> list[str]:
     lines.append(f"held-out exact-match accuracy on {n} problems (greedy): {a:.3f} +- {se:.3f} before -> {b:.3f} after "
                  f"({b - a:+.3f}, {(b - a) / se:+.1f} standard errors)")
     if status.get("reason"):
-        lines.append(f"stopped at step {status['step']}: {status['reason']}; ended on step {status['rolled_back_to']}")
+        ended = status.get("rolled_back_to", status["step"])
+        lines.append(f"stopped at step {status['step']}: {status['reason']}; ended on step {ended}")
     records = check_records(run_dir)
     if records:
         lines.append("step  " + "  ".join(c.removeprefix("eval/") for c in COLUMNS))

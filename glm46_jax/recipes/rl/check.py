@@ -84,12 +84,11 @@ class RewardCheck:
         scores = self.scorer.score_rows(scored_rows(rollout))
         per_row = [self.items[r // self.samples] for r in range(len(texts))]
         gold = [self.labeller(a, b, item) for a, b, item in zip(texts, self.start_texts, per_row)]
-        proxy = (scores > self.start_scores) + 0.5 * (scores == self.start_scores)
         complete = np.ones(len(texts), bool)  # an unfinished sample is still the policy's: it is judged too
         own = policy_pairs.label_groups(texts, complete, self.items, self.samples, self.labeller,
                                         per_prompt=self.samples * self.samples, seed=self.seed)
         agree = agreement(scores[[p.chosen for p in own.pairs]], scores[[p.rejected for p in own.pairs]])
-        win, proxy_win = _half_wins(gold), float(np.mean(proxy))
+        win, proxy_win = _half_wins(gold), agreement(scores, self.start_scores)  # the RM's share of the same pairs
         self.last = {"check_win_rate": win, "check_proxy_win_rate": proxy_win, "check_gap": proxy_win - win,
                      "check_agreement": agree, "check_pairs": float(len(own.pairs)),
                      "check_proxy_score": float(scores.mean())}

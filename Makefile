@@ -14,7 +14,7 @@
 #   make rlhf       after the RL demo's SFT (make rl builds it): the SFT policy's own samples labelled in pairs, a reward
 #                   model on them, then PPO against it alone with the reward model's check; prints the reward model's
 #                   on-policy pair accuracy, PPO's held-out exact-match before and after, and the check's curve
-#                   (runs/ppo_tiny/check_curve.png)
+#                   (runs/rlhf_tiny/round1/ppo/check_curve.png); ARGS="--config.rounds=2" for a second round
 #   make test-jax-min  the model/step tests on jax 0.11.2 + flax 0.12.10 (pyproject's lowest, the lent GPU image's
 #                   jax) in a second venv .venv-jax011; JAX_MIN_TESTS="tests/x.py ..." picks the files
 #   make test-serving  our exports served by a real vLLM (CPU build) and the quantized exports checked by their loaders
@@ -199,18 +199,11 @@ dpo: $(SAMPLE_PREFS)/metadata.json runs/sft_tiny/status.json
 	  b["margin"]; print(f"held-out pairs ({n:.0f}): chosen reply more likely per token {a_len:.3f} before DPO -> " \
 	                     f"{b_len:.3f} after; implicit-reward accuracy {acc:.3f}, margin {margin:.3f}")'
 
-# The SFT policy's own samples (16 of each training prompt), pairs labelled by the exact answer (docs/preferences.md).
-$(RL_DATA)/policy_pairs/metadata.json: | runs/sft_rl_addition/status.json
-	$(PY) -m data_prep policy-preferences --checkpoint runs/sft_rl_addition --prompts $(RL_DATA)/prompts_train.jsonl \
-	  --labeller exact_answer --samples 16 --pairs-per-prompt 3 --max-prompt-len 16 --max-new-tokens 6 \
-	  --heldout-fraction 0.05 --max-len 128 --out $(RL_DATA)/policy_pairs
-
-runs/reward_tiny/heldout.json: | $(RL_DATA)/policy_pairs/metadata.json
-	$(PY) -m glm46_jax.train --config=configs/reward.py:tiny
-
-rlhf: runs/reward_tiny/heldout.json
-	$(PY) -m glm46_jax.train --config=configs/ppo.py:tiny $(ARGS)
-	$(PY) -m glm46_jax.recipes.rl.check_curve runs/ppo_tiny --reward-run runs/reward_tiny
+# configs/rlhf.py:tiny: the SFT policy's own samples (16 of each training prompt) labelled in pairs by the exact
+# answer, a reward model on them, PPO against it alone (glm46_jax/rlhf.py; ARGS="--config.rounds=2" for
+# a second round from the PPO policy). Its stages land in runs/rlhf_tiny/round<r>/ and a re-run skips finished ones.
+rlhf: $(VENV)/.installed | runs/sft_rl_addition/status.json
+	$(PY) -m glm46_jax.rlhf --config=configs/rlhf.py:tiny $(ARGS)
 
 fixtures: $(VENV_HF)/.installed
 	$(PY_HF) tests/fixtures/make_hf_fixtures.py --out tests/fixtures

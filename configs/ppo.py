@@ -41,7 +41,7 @@ _PRESETS = {
     # 40 in one of three seeds, 0.226 held-out where the last step had 0.316).
     "tiny": dict(
         base="tiny", init_from="runs/sft_rl_addition",
-        rl=dict(_ADDITION, rewards=("reward_model",), reward_weights=(1.0,), reward_model="runs/reward_tiny",
+        rl=dict(_ADDITION, rewards=("reward_model",), reward_weights=(1.0,), reward_model="runs/rlhf_tiny/round1/reward",
                 heldout_rewards=("exact_answer",), kl_coef=0.02, labeller="exact_answer"),
         ppo=dict(_CRITIC, normalize_rewards=True),
         train=dict(log_every=10, eval_every=20, eval_batches=2),

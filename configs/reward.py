@@ -27,7 +27,7 @@ _PRESETS = {
     # exact answer), with TRL's reward centering: 0.971 of the held-out pairs; uncentered 0.921, and PPO against that
     # one lowered held-out accuracy (docs/preferences.md#the-cpu-demos).
     "tiny": dict(
-        base="tiny", init_from="runs/sft_rl_addition", root="data/rl_addition/policy_pairs",
+        base="tiny", init_from="runs/sft_rl_addition", root="runs/rlhf_tiny/round1/pairs",
         preference=dict(method="full", seq_len=128, global_batch=16, pairs_per_row=3, center_rewards=0.01),
         train=dict(steps=1500, log_every=10, eval_every=300, eval_batches=8),
         checkpoint=dict(every=300, keep=1),

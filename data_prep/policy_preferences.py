@@ -5,7 +5,7 @@ and writes the labelled pairs as `preferences` input, which the command then tok
 (docs/preferences.md#on-policy-pairs).
 
     python -m data_prep policy-preferences --checkpoint runs/sft_rl_addition \
-        --prompts data/rl_addition/prompts_train.jsonl --labeller exact_answer --out data/rl_addition/policy_pairs
+        --prompts data/rl_addition/prompts_train.jsonl --labeller exact_answer --out runs/rlhf_tiny/round1/pairs
 """
 
 from __future__ import annotations

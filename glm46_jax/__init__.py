@@ -14,6 +14,7 @@ The packages, in the order imports flow (README "Layout"):
 and the top-level modules:
 
     train        `python -m glm46_jax.train`: config -> recipe -> resume or init -> trainer.fit -> summary
+    rlhf         `python -m glm46_jax.rlhf`: RLHF in rounds (sample -> label -> reward model -> PPO) over train
     run_config   a run's typed config, converted once from the config file, and the recipe registry (RECIPES)
     plan, bench  the memory/FLOPs plan of a mesh; the real train step's tokens/s and MFU
     generate, score, eval, harness, convert

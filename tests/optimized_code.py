@@ -13,6 +13,7 @@ options for programs it compiles on the product's behalf.
 """
 
 import contextlib
+import os
 
 from jax._src import compiler, config
 
@@ -34,8 +35,16 @@ def _install() -> None:
 
 
 @contextlib.contextmanager
-def optimized():
-    """Programs compiled inside (in this thread) get LLVM -O2 instead of the suite's -O0."""
+def optimized(subprocesses: bool = False):
+    """Programs compiled inside (in this thread) get LLVM -O2 instead of the suite's -O0; with `subprocesses`, so do
+    the JAX processes started inside that inherit this one's XLA_FLAGS (the RLHF rounds' `python -m data_prep`)."""
     _install()
-    with config.optimization_level(LEVEL):
-        yield
+    flags = os.environ.get("XLA_FLAGS", "")
+    if subprocesses:
+        os.environ["XLA_FLAGS"] = flags.replace("--xla_backend_optimization_level=0",
+                                                "--xla_backend_optimization_level=2")
+    try:
+        with config.optimization_level(LEVEL):
+            yield
+    finally:
+        os.environ["XLA_FLAGS"] = flags

@@ -10,7 +10,8 @@ by its first part:
 - a name that was a module of ours in git history and is none now (`train_step.make_step`): always a failure;
 - a field of the run's config (`train.steps`, `config.rl.group_size`, `--config.monitor.sinks`): RunConfig's fields,
   followed through their dataclasses' annotations (a section typed `Any`: the class named after it, `rl` ->
-  RLConfig), plus the keys the config files set themselves (`data.phases`);
+  RLConfig), plus the keys the config files set themselves (`data.phases`); likewise the RLHF rounds' config
+  (RLHFConfig: `rounds`, `sampling.samples`, and `reward.` / `ppo.` followed by a run config's fields);
 - a class of ours (`GLMMoE.__call__`, `ModelConfig.head_dim`): its body, `self.x` assignments and our base classes.
 A first part that can be several of these (`train`, `model`, `checkpoint`) resolves if any reading does. Anything
 else (`jax.lax.scan`, `tx.update`, `cfg.seed`, HF tensor names like `model.norm.weight`) is not ours and is skipped.
@@ -239,9 +240,10 @@ def config_file_keys() -> dict[str, set[str]]:
     return out
 
 
-def resolve_config(parts: list[str]) -> str | None:
-    """None if `config.<parts>` is a field of the run's config (RunConfig and the dataclasses of its fields)."""
-    current = classes().get("RunConfig", [])
+def resolve_config(parts: list[str], root: str = "RunConfig") -> str | None:
+    """None if `config.<parts>` is a field of the run's config (RunConfig and the dataclasses of its fields), or of
+    another config class `root` (RLHFConfig, whose stages are run configs)."""
+    current = classes().get(root, [])
     path = "config"
     for i, part in enumerate(parts):
         if not current:
@@ -291,6 +293,13 @@ def check_name(name: str) -> str | None:
     if first == "config" or first in config_fields:
         ours = True
         error = resolve_config(parts[1:] if first == "config" else parts)
+        if error is None:
+            return None
+        errors.append(error)
+    rlhf_fields = {n for sym in classes().get("RLHFConfig", []) for n in class_attributes(sym[1])}
+    if first in rlhf_fields or (first == "config" and parts[1:2] and parts[1] in rlhf_fields):
+        ours = True  # configs/rlhf.py's fields: `rounds`, `sampling.samples`, `--config.ppo.rl.labeller`
+        error = resolve_config(parts[1:] if first == "config" else parts, root="RLHFConfig")
         if error is None:
             return None
         errors.append(error)
@@ -392,8 +401,8 @@ def stale_names() -> list[str]:
     for where, name, kind in cited_names():
         if kind == "path":
             error = check_path(name)
-        elif kind == "config":
-            error = resolve_config(name.split("."))
+        elif kind == "config":  # a run's flag, or the RLHF rounds' (`--config.rounds`)
+            error = resolve_config(name.split(".")) and check_name(f"config.{name}")
         elif kind == "prefix":
             error = check_prefix(name)
         else:

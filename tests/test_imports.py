@@ -104,6 +104,7 @@ def test_packages_import_one_way():
 
 # README "Layout", top to bottom: a package or top-level module imports only what sits in a lower layer.
 LAYERS = [
+    {"rlhf"},  # a pipeline over train's stages
     {"train", "bench", "plan", "generate", "score", "eval", "harness", "convert"},  # the command lines
     {"recipes"},
     {"run_config"},

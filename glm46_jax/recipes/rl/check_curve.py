@@ -3,7 +3,7 @@ from its files: held-out exact match before and after, the reward model's check 
 against the labeller's, Gao et al.'s over-optimisation picture; docs/rl.md#the-reward-model-check) as a table and as
 <run_dir>/check_curve.png, and whether the check stopped the run.
 
-    python -m glm46_jax.recipes.rl.check_curve runs/ppo_tiny --reward-run runs/reward_tiny     # make rlhf's last line
+    python -m glm46_jax.recipes.rl.check_curve runs/rlhf_tiny/round1/ppo --reward-run runs/rlhf_tiny/round1/reward
 """
 
 from __future__ import annotations

@@ -390,59 +390,17 @@ def test_policy_preferences_pair_the_sft_models_own_samples(addition_sft, rlhf_p
     assert splits["train"]["pairs"] + splits["heldout"]["pairs"] + meta["pairs"]["skipped"] == len(lines)
 
 
-@pytest.fixture(scope="module")
-def rlhf_round1(addition_sft, tmp_path_factory) -> str:
-    """`make rlhf` (configs/rlhf.py:tiny, one round, its settings unchanged) from the shared SFT warm-up."""
-    from glm46_jax import rlhf as rounds
-
-    c = _rlhf_config(addition_sft, str(tmp_path_factory.mktemp("rlhf_rounds")))
-    # 136,000 samples, 1,500 reward-model steps and 150 rollouts: LLVM -O2 (tests/optimized_code.py)
-    with optimized(subprocesses=True):
-        rounds.run(c, jax.devices()[:1])
-    return c.out
-
-
 @pytest.mark.slow
-def test_rlhf_raises_heldout_accuracy_with_the_reward_model_alone(rlhf_round1):
-    """make rlhf's round: a reward model on the SFT policy's own labelled pairs, then PPO rewarded by it alone (the
-    checker labels pairs, never rewards PPO): greedy exact match on the 500 held-out problems rises by more than 2
-    binomial standard errors of the start (one seed; three are in docs/preferences.md#the-cpu-demos), and the reward
-    model's check ran at every evaluation."""
-    import json
-
-    from glm46_jax.recipes.rl import check_curve
-
-    ppo, reward = (os.path.join(rlhf_round1, "round1", s) for s in ("ppo", "reward"))
-    with open(os.path.join(ppo, "heldout.json")) as f:
-        r = json.load(f)
-    with open(os.path.join(reward, "heldout.json")) as f:
-        rm = json.load(f)
-    with open(os.path.join(ppo, "status.json")) as f:
-        status = json.load(f)
-    with open(os.path.join(ppo, "config.json")) as f:
-        cfg = json.load(f)
-    start, end = r["start_accuracy"], r["end"]["accuracy"]
-    se = np.sqrt(start * (1 - start) / r["problems"])
-    print(f"\nreward model: held-out on-policy pair accuracy {rm['end']['accuracy']:.3f}; PPO: {start:.3f} -> "
-          f"{end:.3f} ({(end - start) / se:+.1f} standard errors); stopped: {status['reason']}")
-    assert cfg["rl"]["rewards"] == ["reward_model"] and cfg["rl"]["reward_model"] == reward
-    assert r["problems"] == 500
-    assert len(check_curve.check_records(ppo)) == r["steps"] // cfg["train"]["eval_every"]
-    assert end - start > 2 * se, (start, end, se, rm["end"], status)
-
-
-@pytest.mark.slow
-def test_rlhf_rounds_sample_each_round_from_the_policy_the_last_one_ended_on(addition_sft, rlhf_round1):
-    """configs/rlhf.py with rounds=2 over make rlhf's finished round (glm46_jax/rlhf.py), round 2's
-    stages shortened: round 1 is kept as it is, round 2 samples round 1's PPO policy, trains its reward model on both
-    rounds' pairs and starts PPO where round 1 ended, which the greedy held-out accuracy shows (the same weights on
-    the same problems score the same); a re-run redoes nothing."""
+def test_rlhf_rounds_sample_each_round_from_the_policy_the_last_one_ended_on(addition_sft, tmp_path):
+    """configs/rlhf.py with rounds=2, each stage shortened (glm46_jax/rlhf.py): round 2 samples round 1's PPO
+    policy, trains its reward model on both rounds' pairs and starts PPO where round 1 ended, which the greedy
+    held-out accuracy shows (the same weights on the same problems score the same); a re-run redoes nothing."""
     import json
 
     from glm46_jax import rlhf as rounds
 
     root, _ = addition_sft
-    c = _rlhf_config(addition_sft, rlhf_round1, rounds=2)
+    c = _rlhf_config(addition_sft, str(tmp_path / "rlhf"), rounds=2)
     with c.unlocked():
         c.sampling.update(samples=4, pairs_per_prompt=1, max_prompts=96)
         for stage in (c.reward, c.ppo):
@@ -455,12 +413,9 @@ def test_rlhf_rounds_sample_each_round_from_the_policy_the_last_one_ended_on(add
         with open(os.path.join(*path)) as f:
             return json.load(f)
 
-    one = {s: os.path.join(rlhf_round1, "round1", s) for s in ("pairs", "reward", "ppo")}
-    kept = {s: os.path.getmtime(os.path.join(one[s], "status.json")) for s in ("reward", "ppo")}
     with optimized(subprocesses=True):
         stages = rounds.run(c, jax.devices()[:1])
-    assert stages[0] == one and {s: os.path.getmtime(os.path.join(one[s], "status.json")) for s in kept} == kept
-    two = stages[1]
+    one, two = stages
     assert read(one["pairs"], "_source", "sampling.json")["source"] == str(root / "sft")
     assert read(two["pairs"], "_source", "sampling.json")["source"] == one["ppo"]
     lines = []
@@ -472,12 +427,15 @@ def test_rlhf_rounds_sample_each_round_from_the_policy_the_last_one_ended_on(add
     splits = merged["splits"]
     assert splits["train"]["pairs"] + splits["heldout"]["pairs"] + merged["pairs"]["skipped"] == sum(lines)
     assert read(two["reward"], "config.json")["preference"]["root"] == merged_root
+    assert read(one["reward"], "config.json")["preference"]["root"] == one["pairs"]
     ppo = read(two["ppo"], "config.json")
     assert ppo["checkpoint"]["init_from"] == one["ppo"] and ppo["rl"]["reward_model"] == two["reward"]
     assert read(two["ppo"], "heldout.json")["start_accuracy"] == read(one["ppo"], "heldout.json")["end"]["accuracy"]
-    before = {s: os.path.getmtime(os.path.join(two[s], "status.json")) for s in ("reward", "ppo")}
+    before = {(r, s): os.path.getmtime(os.path.join(d[s], "status.json")) for r, d in enumerate(stages)
+              for s in ("reward", "ppo")}
     rounds.run(c, jax.devices()[:1])
-    assert {s: os.path.getmtime(os.path.join(two[s], "status.json")) for s in ("reward", "ppo")} == before
+    assert {(r, s): os.path.getmtime(os.path.join(d[s], "status.json")) for r, d in enumerate(stages)
+            for s in ("reward", "ppo")} == before
 
 
 def test_rlhf_rounds_refuse_a_config_they_cannot_run(tmp_path):

@@ -113,8 +113,9 @@ def pairs_args(c: RLHFConfig, policy: str, out: str) -> list[str]:
             *([] if rl.chat else ["--raw"]), "--out", out]
 
 
-def reward_data(c: RLHFConfig, out: str, r: int) -> str:
+def reward_data(c: RLHFConfig, r: int) -> str:
     """The reward model's data for round r: round 1's pairs as written, later rounds every round's pairs together."""
+    out = c.out
     if r == 1:
         return os.path.join(round_dir(out, 1), "pairs")
     merged = os.path.join(round_dir(out, r), "reward_pairs")
@@ -154,7 +155,7 @@ def run(config: Any, devices: Sequence[Any] | None = None) -> list[dict[str, str
         if not os.path.isfile(os.path.join(pairs, "metadata.json")):
             _data_prep(pairs_args(c, policy, pairs))
         reward = os.path.join(d, "reward")
-        _train(config.reward, reward, devices, **{"preference.root": reward_data(c, c.out, r)})
+        _train(config.reward, reward, devices, **{"preference.root": reward_data(c, r)})
         ppo = os.path.join(d, "ppo")
         _train(config.ppo, ppo, devices, **{"checkpoint.init_from": policy, "rl.reward_model": reward})
         done.append({"pairs": pairs, "reward": reward, "ppo": ppo})

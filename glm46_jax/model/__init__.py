@@ -47,7 +47,8 @@ def init_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None,
     mesh = mesh or sharding.make_mesh({"data": 1}, jax.devices()[:1])
     with sharding.use_mesh(mesh):
         graphdef, _, _ = abstract_model(cfg, mesh)
-        params, buffers = _jitted_init(_init_key(cfg))(jax.random.key(seed))
+        make = _compiled_init(_init_key(cfg), mesh, jax.config.jax_optimization_level)
+        params, buffers = make(jax.random.key(seed))
         if mesh.shape["pipeline"] > 1:  # the same weights as on any other mesh, in the pipeline's slot order
             params, buffers = jax.jit(lambda tree: pipeline.in_slot_order(tree, cfg))((params, buffers))
     return graphdef, params, buffers
@@ -62,15 +63,17 @@ def _init_key(cfg: ModelConfig) -> ModelConfig:
 
 
 @functools.lru_cache(maxsize=16)
-def _jitted_init(cfg: ModelConfig):
-    # Cached per config: XLA compiles every parameter's threefry draw, seconds per model on CPU
-    # (docs/performance.md#initialization).
+def _compiled_init(cfg: ModelConfig, mesh: jax.sharding.Mesh, level: str) -> jax.stages.Compiled:
+    # Compiled ahead of time once per (config, mesh, optimization level) in a process and kept: XLA compiles every
+    # parameter's threefry draw, seconds per model on CPU, and a jitted function is traced and lowered again after
+    # each jax.clear_caches(). The level is in the key because the draws' last bits depend on it
+    # (docs/performance.md#initialization). Called inside `sharding.use_mesh(mesh)`.
     @jax.jit
     def make(key):
         # In layer order (stages=1) whatever the mesh: init_model permutes it into a pipeline's slots.
         _, params, buffers = nnx.split(GLMMoE(cfg, rngs=nnx.Rngs(params=key), stages=1), nnx.Param, ExpertBias)
         return params, buffers
-    return make
+    return make.lower(jax.random.key(0)).compile()
 
 
 def abstract_model(cfg: ModelConfig, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh):

@@ -476,22 +476,24 @@ def _heldout_gains(addition_sft, config: str, preset: str) -> list[tuple[float, 
 
     root, data = addition_sft
     gains = []
-    for seed in range(3):
-        c = config_file(os.path.join(os.path.dirname(__file__), "..", "configs", config), preset)
-        with c.unlocked():
-            c.run_dir = str(root / f"{config.removesuffix('.py')}_{seed}")
-            c.checkpoint.update(init_from=str(root / "sft"), async_save=False)
-            c.train.update(seed=seed, eval_every=0)
-            c.monitor.sinks = "jsonl"
-            c.rl.update(prompts=os.path.join(data, "prompts_train.jsonl"),
-                        heldout=os.path.join(data, "prompts_heldout.jsonl"))
-        assert c.rl.rollouts == RL_DEMO_ROLLOUTS  # the preset as documented, not a shortened run
-        with optimized():  # 150 rollouts: LLVM -O2 (tests/optimized_code.py)
+    # 150 rollouts per seed: LLVM -O2 (tests/optimized_code.py), one context for the three seeds so that the second
+    # and third reuse the first one's programs.
+    with optimized():
+        for seed in range(3):
+            c = config_file(os.path.join(os.path.dirname(__file__), "..", "configs", config), preset)
+            with c.unlocked():
+                c.run_dir = str(root / f"{config.removesuffix('.py')}_{seed}")
+                c.checkpoint.update(init_from=str(root / "sft"), async_save=False)
+                c.train.update(seed=seed, eval_every=0)
+                c.monitor.sinks = "jsonl"
+                c.rl.update(prompts=os.path.join(data, "prompts_train.jsonl"),
+                            heldout=os.path.join(data, "prompts_heldout.jsonl"))
+            assert c.rl.rollouts == RL_DEMO_ROLLOUTS  # the preset as documented, not a shortened run
             train.train(run_config.from_config_dict(c), jax.devices()[:1])
-        with open(os.path.join(c.run_dir, "heldout.json")) as f:
-            r = json.load(f)
-        assert r["problems"] == 500
-        gains.append((r["start_accuracy"], r["end"]["accuracy"]))
+            with open(os.path.join(c.run_dir, "heldout.json")) as f:
+                r = json.load(f)
+            assert r["problems"] == 500
+            gains.append((r["start_accuracy"], r["end"]["accuracy"]))
     return gains
 
 

@@ -32,6 +32,13 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 
 
+# The tiny preset with one dense and one MoE layer (and its MTP layer), as flags of the training CLI: every kind of
+# layer, parameter and state, with less to compile at every launch than tiny's three layers (each MoE layer of the
+# tiny train step is ~5 CPU-s of XLA compile). For the tests of plumbing (processes, signals, restarts, Slurm), where
+# the model's depth is not the point.
+PLUMBING_MODEL = ("--config.model.num_hidden_layers=2",)
+
+
 def subprocess_env(devices: int | None = 1, **extra: str) -> dict[str, str]:
     """The environment of a JAX process a test starts (the training CLI, the multi-process launcher): this run's XLA
     flags (-O0, as above) with `devices` virtual CPU devices (None: the caller sets the count, as

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import subprocess_env
+from conftest import PLUMBING_MODEL, subprocess_env
 from glm46_jax.training import checkpoint
 from glm46_jax.parallel import distributed, sharding
 from glm46_jax.errors import InputError
@@ -103,7 +103,8 @@ def test_single_process_and_bad_settings():
 def _flags(run_dir: str, corpus: str) -> list[str]:
     # 10 steps of 8 x 64 rows on a (data 2, tensor 2, expert 2) mesh; every process reads the whole batch
     # (process_split=rows), so one process and two see the same batches.
-    return ["--config=configs/pretrain.py:tiny", f"--config.run_dir={run_dir}", f"--config.data.root={corpus}",
+    return ["--config=configs/pretrain.py:tiny", *PLUMBING_MODEL, f"--config.run_dir={run_dir}",
+            f"--config.data.root={corpus}",
             "--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.expert=2",
             "--config.data.process_split=rows", "--config.data.phases.general.tokens=5120",
             "--config.data.phases.general.seq_len=64", "--config.data.phases.general.global_batch=8",

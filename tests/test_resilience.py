@@ -18,7 +18,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import apply_flags, subprocess_env
+from conftest import PLUMBING_MODEL, apply_flags, subprocess_env
 
 from glm46_jax.errors import InputError
 from glm46_jax.parallel import sharding
@@ -36,7 +36,7 @@ STEPS, EVERY = 12, 3
 
 def _flags(run_dir: str, corpus: str, steps: int = STEPS) -> list[str]:
     # 8 steps of 8 x 64 rows, then 4 steps of 8 x 128 best-fit at RoPE 1e6: resume crosses a phase switch.
-    return [f"--config.run_dir={run_dir}", f"--config.data.root={corpus}", "--config.mesh.data=1",
+    return [*PLUMBING_MODEL, f"--config.run_dir={run_dir}", f"--config.data.root={corpus}", "--config.mesh.data=1",
             "--config.data.phases.general.tokens=4096", "--config.data.phases.general.seq_len=64",
             "--config.data.phases.general.global_batch=8", "--config.data.phases.code_long.tokens=4096",
             "--config.data.phases.code_long.seq_len=128", "--config.data.phases.code_long.global_batch=8",

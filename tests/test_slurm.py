@@ -20,7 +20,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, apply_flags, subprocess_env
+from conftest import PLUMBING_MODEL, ROOT, apply_flags, subprocess_env
 from promserver import prometheus
 from test_multiprocess import _losses
 
@@ -72,7 +72,7 @@ def _flags(heartbeat_s: int = 100) -> list[str]:
     # 8 steps of 8 x 64 rows on data=4: 2 tasks x 2 CPU devices (data only: Gloo's collectives between the tasks
     # are what a step waits on here). Every process reads the whole batch (process_split=rows), so the tasks see
     # the batches one process sees.
-    return ["--config.mesh.data=4", "--config.data.process_split=rows",
+    return [*PLUMBING_MODEL, "--config.mesh.data=4", "--config.data.process_split=rows",
             "--config.data.phases.general.tokens=4096", "--config.data.phases.general.seq_len=64",
             "--config.data.phases.general.global_batch=8", f"--config.train.steps={STEPS}",
             "--config.train.log_every=1",

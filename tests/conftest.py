@@ -2,6 +2,7 @@
 
 import functools
 import gc
+import json
 import os
 
 # LLVM at -O0 for XLA:CPU's generated code: most of the suite's time is XLA compiling hundreds of small programs,
@@ -50,6 +51,18 @@ def subprocess_env(devices: int | None = 1, **extra: str) -> dict[str, str]:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags), "PYTHONPATH": ROOT,
             "JAX_COMPILATION_CACHE_DIR": os.environ["GLM46_JAX_TEST_XLA_CACHE"],
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(compile_cache.MIN_COMPILE_S), **extra}
+
+def run_losses(run_dir: str) -> dict[int, float]:
+    """train/loss per step in a run's metrics.jsonl, the last record per step (a resumed run logs again the steps after
+    its checkpoint); {} before the file exists. Read while the run writes: a last line not yet ended by its newline is
+    a record being written, left for the next read (parsing it failed test_resilience now and then)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        lines = f.read().split("\n")[:-1]  # what follows the last newline is incomplete (or empty)
+    return {r["step"]: r["train/loss"] for r in map(json.loads, lines) if "train/loss" in r}
+
 
 @functools.cache
 def jitted_apply(graphdef, **options):

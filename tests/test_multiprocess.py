@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import PLUMBING_MODEL, subprocess_env
+from conftest import run_losses as _losses
 from glm46_jax.training import checkpoint
 from glm46_jax.parallel import distributed, sharding
 from glm46_jax.errors import InputError
@@ -131,14 +132,6 @@ def _finish(proc: subprocess.Popen, run_dir: str, n: int, logs: str = "logs") ->
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out + "".join(_log(run_dir, i, logs)[-3000:] for i in range(n))
     return _log(run_dir, 0, logs)
-
-
-def _losses(run_dir: str) -> dict[int, float]:
-    """The last record per step (a resumed run logs again the steps after its checkpoint)."""
-    if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        return {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return {r["step"]: r["train/loss"] for r in map(json.loads, f) if "train/loss" in r}
 
 
 def _steps(run_dir: str) -> list[int]:

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import PLUMBING_MODEL, apply_flags, subprocess_env
+from conftest import run_losses as _losses
 
 from glm46_jax.errors import InputError
 from glm46_jax.parallel import sharding
@@ -63,11 +64,6 @@ def _finish(proc: subprocess.Popen, timeout: float = 600) -> str:
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out[-3000:]
     return out
-
-
-def _losses(run_dir: str) -> dict[int, float]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return {r["step"]: r["train/loss"] for r in map(json.loads, f) if "train/loss" in r}
 
 
 def _weights(run_dir: str, step: int) -> dict[str, np.ndarray]:

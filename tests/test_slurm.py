@@ -21,8 +21,8 @@ import jax
 import numpy as np
 import pytest
 from conftest import PLUMBING_MODEL, ROOT, apply_flags, subprocess_env
+from conftest import run_losses as _losses
 from promserver import prometheus
-from test_multiprocess import _losses
 
 from glm46_jax.parallel import sharding
 from glm46_jax.training import checkpoint

@@ -52,6 +52,7 @@ def subprocess_env(devices: int | None = 1, **extra: str) -> dict[str, str]:
             "JAX_COMPILATION_CACHE_DIR": os.environ["GLM46_JAX_TEST_XLA_CACHE"],
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(compile_cache.MIN_COMPILE_S), **extra}
 
+
 def run_losses(run_dir: str) -> dict[int, float]:
     """train/loss per step in a run's metrics.jsonl, the last record per step (a resumed run logs again the steps after
     its checkpoint); {} before the file exists. Read while the run writes: a last line not yet ended by its newline is

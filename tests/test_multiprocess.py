@@ -17,8 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import PLUMBING_MODEL, subprocess_env
-from conftest import run_losses as _losses
+from conftest import PLUMBING_MODEL, run_losses, subprocess_env
 from glm46_jax.training import checkpoint
 from glm46_jax.parallel import distributed, sharding
 from glm46_jax.errors import InputError
@@ -166,7 +165,7 @@ def runs(tmp_path_factory, sample_corpus):
     out: dict = {"one": one, "two": two}
 
     proc = _launch(2, two, sample_corpus, devices=4, logs="logs_preempt", JAX_COMPILATION_CACHE_DIR=cache)
-    _wait_for(proc, two, "logs_preempt", lambda: max(_losses(two), default=0) >= 2, "step 2")
+    _wait_for(proc, two, "logs_preempt", lambda: max(run_losses(two), default=0) >= 2, "step 2")
     os.kill(_pid(two, 1, "logs_preempt"), signal.SIGTERM)
     proc.communicate(timeout=300)
     out.update(preempt_rc=proc.returncode, preempt_steps=_steps(two),
@@ -174,13 +173,13 @@ def runs(tmp_path_factory, sample_corpus):
 
     proc = _launch(2, two, sample_corpus, devices=4, logs="logs_kill", JAX_COMPILATION_CACHE_DIR=cache)
     kill_after = max(out["preempt_steps"]) + 2  # both processes are surely training by then
-    _wait_for(proc, two, "logs_kill", lambda: max(_losses(two)) >= kill_after, f"step {kill_after}")
+    _wait_for(proc, two, "logs_kill", lambda: max(run_losses(two)) >= kill_after, f"step {kill_after}")
     os.kill(_pid(two, 1, "logs_kill"), signal.SIGKILL)
     killed_at = time.time()
     launcher_out, _ = proc.communicate(timeout=300)
     out.update(killed_rc=proc.returncode, launcher_out=launcher_out, detected_s=time.time() - killed_at,
                survivor_log=_log(two, 0, "logs_kill"), steps_before_restart=_steps(two))
-    print(f"\nprocess 1 SIGKILLed after step {max(_losses(two))}: the launcher exited {proc.returncode} "
+    print(f"\nprocess 1 SIGKILLed after step {max(run_losses(two))}: the launcher exited {proc.returncode} "
           f"{out['detected_s']:.1f} s later (heartbeat timeout {HEARTBEAT_S} s)")
 
     # The restart also has a straggler: process 1 sleeps SLOW_S before each step (an injected fault; the losses do
@@ -268,7 +267,7 @@ def test_two_processes_train_like_one_and_resume_after_the_kill(runs):
     # Only process 0 prints the progress bar and the summary (and writes metrics: one record per step below).
     assert "train [" in runs["resumed_log"] and "start loss" in runs["resumed_log"]
     assert "train [" not in runs["resumed_log_1"] and "start loss" not in runs["resumed_log_1"]
-    one, two = _losses(runs["one"]), _losses(runs["two"])
+    one, two = run_losses(runs["one"]), run_losses(runs["two"])
     assert sorted(one) == sorted(two) == list(range(1, STEPS + 1))
     # Same batches, same mesh shape: only the collectives' summation order differs between the runs.
     np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=0, atol=1e-5)

@@ -18,8 +18,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import PLUMBING_MODEL, apply_flags, subprocess_env
-from conftest import run_losses as _losses
+from conftest import PLUMBING_MODEL, apply_flags, run_losses, subprocess_env
 
 from glm46_jax.errors import InputError
 from glm46_jax.parallel import sharding
@@ -94,7 +93,7 @@ def reference(tmp_path_factory, sample_corpus):
 
 
 def _assert_same_as_reference(run_dir: str, reference: str):
-    want, got = _losses(reference), _losses(run_dir)
+    want, got = run_losses(reference), run_losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))  # every step logged once: nothing redone twice in the log
     assert got == want  # bit-identical losses, including the steps after the resume
     ref_w, w = _weights(reference, STEPS), _weights(run_dir, STEPS)
@@ -108,7 +107,7 @@ def test_sigkill_at_a_random_step_then_resume_is_exact(tmp_path, sample_corpus, 
     kill_at = random.Random(os.getpid()).randint(EVERY + 1, STEPS - 2)
     proc = _train_process(run_dir, sample_corpus)
     first_ckpt = os.path.join(run_dir, "checkpoints", str(EVERY), "meta", "metadata")
-    _wait_for(lambda: os.path.exists(first_ckpt) and max(_losses(run_dir), default=0) >= kill_at, proc,
+    _wait_for(lambda: os.path.exists(first_ckpt) and max(run_losses(run_dir), default=0) >= kill_at, proc,
               f"step {kill_at} and the step-{EVERY} checkpoint")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -146,7 +145,7 @@ def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path, sample_corpus, refe
     run_dir = str(tmp_path / f"preempted_{sig.name}")
     proc = _train_process(run_dir, sample_corpus)
     _wait_for(lambda: os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and
-              max(_losses(run_dir), default=0) >= EVERY + 1, proc, f"step {EVERY + 1}")
+              max(run_losses(run_dir), default=0) >= EVERY + 1, proc, f"step {EVERY + 1}")
     proc.send_signal(sig)
     out = _finish(proc)  # exit code 0
     assert f"{sig.name}: saved step" in out

@@ -20,8 +20,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import PLUMBING_MODEL, ROOT, apply_flags, subprocess_env
-from conftest import run_losses as _losses
+from conftest import PLUMBING_MODEL, ROOT, apply_flags, run_losses, subprocess_env
 from promserver import prometheus
 
 from glm46_jax.parallel import sharding
@@ -167,7 +166,7 @@ def test_two_tasks_train_like_one_process(straight, sample_corpus, tmp_path):
         config.run_dir, config.data.root = one, sample_corpus
         apply_flags(config, _flags())
     train(from_config_dict(config), jax.devices()[:4])
-    want, got = _losses(one), _losses(run_dir)
+    want, got = run_losses(one), run_losses(run_dir)
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=1e-6, atol=0)
 
@@ -178,7 +177,7 @@ def test_term_to_the_steps_saves_requeues_and_resumes_exactly(straight, slurm_en
     from that step and ends with the uninterrupted job's weights, bit for bit."""
     run_dir = str(tmp_path / "preempted")
     job = _submit(slurm_env, run_dir, sample_corpus)
-    _wait(lambda: max(_losses(run_dir), default=0) >= 2, "step 2", run_dir, job)
+    _wait(lambda: max(run_losses(run_dir), default=0) >= 2, "step 2", run_dir, job)
     _run(["scancel", "--signal=TERM", job], slurm_env)
     state = _final(job, slurm_env, run_dir)
     log = _log(run_dir, job)
@@ -189,7 +188,7 @@ def test_term_to_the_steps_saves_requeues_and_resumes_exactly(straight, slurm_en
     assert f"steps {int(stopped.group(1)) + 1}-{STEPS} of {STEPS}" in log
     with open(os.path.join(run_dir, "status.json")) as f:
         assert json.load(f)["state"] == "complete"
-    assert _losses(run_dir) == _losses(straight[0])
+    assert run_losses(run_dir) == run_losses(straight[0])
     for a, b in zip(_params(straight[0]), _params(run_dir), strict=True):
         np.testing.assert_array_equal(b, a)
 
@@ -199,7 +198,7 @@ def test_a_stopped_task_fails_the_job_within_the_heartbeat_timeout(slurm_env, sa
     --kill-on-bad-exit ends the step -> the job FAILs with the reason in its log, minutes before its time limit."""
     run_dir = str(tmp_path / "hung")
     job = _submit(slurm_env, run_dir, sample_corpus, heartbeat_s=HEARTBEAT_S)
-    _wait(lambda: max(_losses(run_dir), default=0) >= 2, "step 2", run_dir, job)
+    _wait(lambda: max(run_losses(run_dir), default=0) >= 2, "step 2", run_dir, job)
     pid = _task_pid(job, 1)
     assert pid, "task 1's process not found"
     os.kill(pid, 19)  # SIGSTOP
@@ -209,7 +208,7 @@ def test_a_stopped_task_fails_the_job_within_the_heartbeat_timeout(slurm_env, sa
     log = _log(run_dir, job)
     assert state["JobState"] == "FAILED", (state, log[-4000:])
     assert took < HEARTBEAT_S + 60, (took, log[-4000:])
-    print(f"\ntask 1 stopped at step {max(_losses(run_dir))}: job {job} FAILED {took:.1f} s later "
+    print(f"\ntask 1 stopped at step {max(run_losses(run_dir))}: job {job} FAILED {took:.1f} s later "
           f"(heartbeat timeout {HEARTBEAT_S} s)")
     assert "detected fatal errors" in log and "another task died" in log, log[-4000:]  # JAX's abort, not a time limit
     assert "DUE TO TIME LIMIT" not in log
@@ -263,7 +262,7 @@ def test_a_hung_task_is_requeued_once_and_the_rerun_completes(straight, slurm_en
     assert f"steps 4-{STEPS} of {STEPS}" in log, log[-4000:]
     with open(os.path.join(run_dir, "status.json")) as f:
         assert json.load(f)["state"] == "complete"
-    assert _losses(run_dir) == _losses(straight[0])
+    assert run_losses(run_dir) == run_losses(straight[0])
     for a, b in zip(_params(straight[0]), _params(run_dir), strict=True):
         np.testing.assert_array_equal(b, a)
     # service discovery: one target per task, on its node at METRICS_PORT + rank, with the job's labels

@@ -17,6 +17,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import compile_cache
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from glm46_jax.parallel import sharding
@@ -73,6 +75,21 @@ def jitted_apply(graphdef, **options):
     from glm46_jax.model import apply
 
     return jax.jit(lambda params, buffers, *args, **kw: apply(graphdef, params, buffers, *args, **options, **kw))
+
+
+# The longest row a test's no-cache reference forward reads (prompt + generated tokens), see `prefix_forward`.
+PREFIX_SLOTS = 32
+
+
+def prefix_forward(graphdef, params, buffers, seq, **options):
+    """The training forward (no cache) of one row `seq`, right-padded to PREFIX_SLOTS tokens: attention is causal and
+    the MoE dropless, so its outputs at positions < len(seq) are those of `seq` alone, and a re-run-everything
+    reference (a full forward per generated token) compiles one program instead of one per prefix length."""
+    if len(seq) > PREFIX_SLOTS:
+        raise ValueError(f"a row of {len(seq)} tokens: raise PREFIX_SLOTS ({PREFIX_SLOTS})")
+    row = np.zeros((1, PREFIX_SLOTS), np.int32)
+    row[0, :len(seq)] = seq
+    return jitted_apply(graphdef, **options)(params, buffers, jnp.asarray(row))
 
 
 def apply_flags(config, flags: list[str]):
@@ -206,7 +223,6 @@ def init_placed(cfg, mesh, seed: int = 0):
     each test mesh cost 2-6 s per mesh (test_pipeline + test_context_parallel alone: 330 -> 311 s). Init on a mesh
     itself is checked against one device in test_sharding (data x tensor x expert) and test_pipeline (pipeline
     stages, through a checkpoint)."""
-    import numpy as np
     from flax import nnx
 
     from glm46_jax.model import abstract_model, init_model, pipeline
@@ -226,7 +242,6 @@ def init_placed(cfg, mesh, seed: int = 0):
 def float64_nll(graphdef, params, buffers, mesh, batch):
     """Next-token NLL per position of a packed batch (NumPy arrays: inputs, positions, segment_ids, targets)
     in float64: the model's logits log-softmaxed in NumPy, the tests' reference for the CEs the code reports."""
-    import numpy as np
 
     from glm46_jax.model import apply
 

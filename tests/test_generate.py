@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FIXTURES, jitted_apply, randomize_params
+from conftest import FIXTURES, prefix_forward, randomize_params
 
 from glm46_jax.infer import generate as gen
 from glm46_jax.parallel import sharding
@@ -37,11 +37,10 @@ def hf_model(mesh1):
 
 
 def _full_logits(model, mesh, seq):
-    """Reference: the training forward (no cache, no padding) over one row; logits of its last token."""
+    """Reference: the training forward (no cache, no left padding) over one row; logits of its last token."""
     graphdef, params, buffers = model
     with sharding.use_mesh(mesh):
-        out = jitted_apply(graphdef, with_mtp=False)(params, buffers, jnp.asarray([seq], jnp.int32))
-        return np.asarray(out.logits)[0, -1]
+        return np.asarray(prefix_forward(graphdef, params, buffers, seq, with_mtp=False).logits)[0, len(seq) - 1]
 
 
 @pytest.mark.parametrize("which", ["tiny", "hf_full"])

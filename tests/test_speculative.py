@@ -19,7 +19,7 @@ from glm46_jax.config import TINY
 from glm46_jax.training.loss import token_nll
 from glm46_jax.model import abstract_model, apply, init_model
 
-from conftest import jitted_apply
+from conftest import jitted_apply, prefix_forward
 
 VOCAB = 16
 CFG = dataclasses.replace(TINY, vocab_size=VOCAB, dtype="float32", moe_capacity_factor=0.0)
@@ -248,18 +248,18 @@ def _naive_speculative(model, mesh, prompt, n):
     and the (drafted, accepted) counts the cached implementation must reproduce."""
     graphdef, params, buffers = model
     with sharding.use_mesh(mesh):
-        out = lambda seq: jitted_apply(graphdef)(params, buffers, jnp.asarray([seq], jnp.int32))
-        seq = list(prompt) + [int(np.argmax(np.asarray(out(prompt).logits)[0, -1]))]
+        out = lambda seq: prefix_forward(graphdef, params, buffers, seq)
+        seq = list(prompt) + [int(np.argmax(np.asarray(out(prompt).logits)[0, len(prompt) - 1]))]
         drafted = accepted = 0
         while len(seq) - len(prompt) < n:
             # MTP row len(seq) - 2 reads hidden[len(seq) - 2] and token len(seq) - 1 and predicts token len(seq).
             draft = int(np.argmax(np.asarray(out(seq).mtp_logits)[0, len(seq) - 2]))
             logits = np.asarray(out(seq + [draft]).logits)[0]
             drafted += 1
-            seq.append(int(np.argmax(logits[-2])))
+            seq.append(int(np.argmax(logits[len(seq) - 1])))
             if seq[-1] == draft:
                 accepted += 1
-                seq.append(int(np.argmax(logits[-1])))
+                seq.append(int(np.argmax(logits[len(seq) - 1])))
     return seq[len(prompt):len(prompt) + n], drafted, accepted
 
 

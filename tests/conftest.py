@@ -242,7 +242,6 @@ def init_placed(cfg, mesh, seed: int = 0):
 def float64_nll(graphdef, params, buffers, mesh, batch):
     """Next-token NLL per position of a packed batch (NumPy arrays: inputs, positions, segment_ids, targets)
     in float64: the model's logits log-softmaxed in NumPy, the tests' reference for the CEs the code reports."""
-
     from glm46_jax.model import apply
 
     with sharding.use_mesh(mesh):

@@ -254,12 +254,13 @@ def _naive_speculative(model, mesh, prompt, n):
         while len(seq) - len(prompt) < n:
             # MTP row len(seq) - 2 reads hidden[len(seq) - 2] and token len(seq) - 1 and predicts token len(seq).
             draft = int(np.argmax(np.asarray(out(seq).mtp_logits)[0, len(seq) - 2]))
+            last = len(seq)  # the draft's position in the forward below
             logits = np.asarray(out(seq + [draft]).logits)[0]
             drafted += 1
-            seq.append(int(np.argmax(logits[len(seq) - 1])))
+            seq.append(int(np.argmax(logits[last - 1])))
             if seq[-1] == draft:
                 accepted += 1
-                seq.append(int(np.argmax(logits[len(seq) - 1])))
+                seq.append(int(np.argmax(logits[last])))
     return seq[len(prompt):len(prompt) + n], drafted, accepted
 
 

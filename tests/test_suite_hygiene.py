@@ -16,7 +16,8 @@ def code_mappings() -> int:
     from all mappings, which also move with thread stacks and allocator arenas: a worker's count once fell by 5
     while it compiled three programs, after the files before it had started and ended threads."""
     with open("/proc/self/maps") as f:
-        return sum(1 for line in f if len(line.split()) == 5 and "x" in line.split()[1])
+        fields = [line.split() for line in f]
+    return sum(1 for x in fields if len(x) == 5 and "x" in x[1])
 
 
 @pytest.mark.skipif(not HAS_PROC_MAPS, reason="counts /proc/self/maps (Linux)")

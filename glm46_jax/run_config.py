@@ -134,11 +134,6 @@ class RunConfig:
                 raise InputError(f"{name}.method=lora needs a config.lora section (rank, alpha, targets; see "
                                  "configs/sft.py)")
             section.check_run(self)
-        stages = self.mesh.sizes().get("pipeline", 1)
-        if stages > 1 and self.optim.layer_decay != 1.0:
-            raise InputError(f"mesh.pipeline={stages} with optim.layer_decay={self.optim.layer_decay}: layer-wise lr "
-                             "decay counts depth in layer order, not the pipeline's slot order; set "
-                             "optim.layer_decay=1.0 or mesh.pipeline=1")
         metric = self.checkpoint.best_metric
         if self.checkpoint.keep_best and metric.count("/") > 1 and not self.train.eval_per_domain:
             raise InputError(f"checkpoint.best_metric={metric!r} is a per-domain metric, which only "

@@ -26,6 +26,7 @@ from safetensors.numpy import save_file
 from glm46_jax import atomic
 from glm46_jax.errors import InputError
 from glm46_jax.config import ModelConfig
+from glm46_jax.model import pipeline
 from glm46_jax.model.lora import ATTENTION, LoRAConfig, add_adapters
 
 WHY_ATTENTION_ONLY = "docs/lora.md#what-peft-can-express"
@@ -41,9 +42,10 @@ def _hf_layers(cfg: ModelConfig, stack: str) -> range:
 
 
 def peft_tensors(cfg: ModelConfig, adapters: nnx.State) -> dict[str, np.ndarray]:
-    """Our adapters as PEFT's tensors: A [*in, r] -> lora_A [r, in], B [r, *out] -> lora_B [out, r]."""
+    """Our adapters as PEFT's tensors: A [*in, r] -> lora_A [r, in], B [r, *out] -> lora_B [out, r]. Adapters
+    trained on a pipeline mesh are read in layer order (their identity padding slots write nothing)."""
     out = {}
-    for path, var in nnx.to_flat_state(adapters):
+    for path, var in nnx.to_flat_state(pipeline.in_layer_order(adapters, cfg)):
         stack, *module, holder, part = (str(p) for p in path)
         proj = holder.removesuffix("_lora")
         if module != ["self_attn"] or proj not in ATTENTION:
@@ -156,6 +158,8 @@ def load_peft(peft_dir: str, graphdef: nnx.GraphDef, params: nnx.State, buffers:
             raise InputError(f"{path}: tensor {key!r} has shape {list(tensors[key].shape)}, this model needs "
                              f"{list(want.shape)} (r={lcfg.rank}; an adapter for another model?)")
     flat = []
+    # Read in layer order, then placed as `adapters` are: in slot order on a pipeline mesh (docs/pipeline.md#layout).
+    target = dict(nnx.to_flat_state(pipeline.layer_order_target(adapters, cfg)))
     for p, var in nnx.to_flat_state(adapters):
         stack, _, holder, part = (str(x) for x in p)
         proj, shape = holder.removesuffix("_lora"), var.get_value().shape
@@ -164,5 +168,5 @@ def load_peft(peft_dir: str, graphdef: nnx.GraphDef, params: nnx.State, buffers:
         blocks = [b.reshape(shape[1:]) if part == "magnitude" else
                   b.T.reshape(shape[1:]) for b in blocks]
         value = np.stack(blocks).astype(np.float32)
-        flat.append((p, var.replace(jax.device_put(value, var.get_value().sharding))))
-    return lcfg, graphdef, nnx.from_flat_state(flat), base, buffers
+        flat.append((p, var.replace(jax.device_put(value, target[p].get_value().sharding))))
+    return lcfg, graphdef, pipeline.in_slot_order(nnx.from_flat_state(flat), cfg, like=adapters), base, buffers

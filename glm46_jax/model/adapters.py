@@ -55,12 +55,16 @@ def effective_weight(w: Array, a: Array, b: Array, magnitude: Array | None, scal
         return v
     in_axes = tuple(range(n_lead_w, n_lead_w + n_in))
     norm = jax.lax.stop_gradient(jnp.sqrt(jnp.sum(v * v, axis=in_axes, keepdims=True)))
+    # A pipeline's identity padding slots hold W = 0 (and m = 0): 0 / 0 there would put NaNs into the backward
+    # of the skipped layer. A real weight's column never has norm 0, so this changes nothing else.
+    norm = jnp.where(norm > 0, norm, jnp.ones((), norm.dtype))
     return jnp.expand_dims(magnitude.astype(jnp.float32), in_axes) * v / norm
 
 
 class Adapter(nnx.Module):
     """The adapter of one weight: A [*lead, *in, r], B [*lead, r, *out] and, for DoRA, the magnitude
-    [*lead_of_weight, *out]. Stacked layers add a leading "layers" axis to all of them."""
+    [*lead_of_weight, *out]. Stacked layers add a leading "layers" axis to all of them (on a pipeline mesh the MoE
+    stack's "stage_layers" slot axis, padding slots included, as its weights have: docs/lora.md#pipeline-meshes)."""
 
     def __init__(self, a: LoRA, b: LoRA, magnitude: LoRA | None, scale: float, n_in: int, n_out: int):
         self.a, self.b, self.magnitude = a, b, magnitude

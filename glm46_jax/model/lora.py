@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm46_jax.errors import InputError, check_choice, check_field, check_known_fields, check_range
+from glm46_jax.model import pipeline
 from glm46_jax.model.adapters import Adapter, LoRA
 from glm46_jax.model.attention import Attention
 from glm46_jax.model.layers import MLP, ExpertBias, Head
@@ -158,6 +159,7 @@ def add_adapters(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, 
     """
     with sharding.use_mesh(mesh):
         model = nnx.merge(graphdef, params, buffers)
+        cfg = model.cfg
         targets = select(model, lcfg)
         weights = [getattr(owner(model, t), t.attr) for t in targets]
         layouts = [adapter_layout(t, w, lcfg) for t, w in zip(targets, weights)]
@@ -168,7 +170,13 @@ def add_adapters(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, 
             for i, (((a_shape, a_names), (b_shape, b_names), (_, m_names), in_axes), w) in \
                     enumerate(zip(layouts, values)):
                 fan_in = math.prod(a_shape[-1 - len(in_axes):-1])
-                a = jax.random.uniform(jax.random.fold_in(key, i), a_shape, jnp.float32, -1, 1) / math.sqrt(fan_in)
+                slots = a_names[:1] == (pipeline.SLOT_AXIS,)
+                # A pipeline's MoE stack is in slot order: draw in layer order and permute, so a seed gives the same
+                # adapters on every mesh (identity padding slots get A = 0 and, never used, keep it).
+                shape = (cfg.num_moe_layers, *a_shape[1:]) if slots else a_shape
+                a = jax.random.uniform(jax.random.fold_in(key, i), shape, jnp.float32, -1, 1) / math.sqrt(fan_in)
+                if slots:
+                    a = pipeline.in_slot_order(a, cfg)
                 b = jnp.zeros(b_shape, jnp.float32)
                 m = None
                 if lcfg.dora:

@@ -30,6 +30,7 @@ from glm46_jax.model.attention import SequenceMask
 from glm46_jax.parallel.sharding import pipeline_microbatches, spec_axes
 
 STACK = "moe_layers"  # the pipelined stack's name in the parameter tree
+SLOT_AXIS = "stage_layers"  # the logical name of its leading (slot) dimension on a pipeline mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +106,8 @@ def _convert(tree, lay: Layout, to_slots: bool):
 
 
 def to_slots(tree, lay: Layout):
-    """Every array under the MoE stack in `tree` (params, buffers, optimizer moments) from [layers, ...] to the
-    pipeline's [slots, ...], slot dimension on `pipeline`. Call under jit inside the mesh."""
+    """Every array under the MoE stack in `tree` (params, LoRA adapters, buffers, optimizer moments) from
+    [layers, ...] to the pipeline's [slots, ...], slot dimension on `pipeline`. Call under jit inside the mesh."""
     return _convert(tree, lay, True)
 
 

@@ -29,7 +29,7 @@ from flax import nnx
 
 from glm46_jax.errors import InputError
 from glm46_jax.config import ModelConfig
-from glm46_jax.model import abstract_model, init_model, lora
+from glm46_jax.model import abstract_model, init_model, lora, pipeline
 from glm46_jax.model.layers import normal_init
 from glm46_jax.model.lora import LoRAConfig
 from glm46_jax.parallel import sharding
@@ -166,7 +166,9 @@ def build(cfg: RunConfig, devices: Sequence[jax.Device] | None, specs: Sequence[
             graphdef, params, base, buffers = lora.add_adapters(graphdef, params, buffers, s.lora, mesh,
                                                                 seed=cfg.train.seed + s.seed_offset)
             frozen[s.name] = FrozenModel(base)
-        tx, schedule = build_optimizer(s.optim or cfg.optim, params)
+        stages = mesh.shape["pipeline"]  # layer-wise lr decay counts depth in layer order, not the slots'
+        tx, schedule = build_optimizer(s.optim or cfg.optim, params,
+                                       layout=pipeline.layout(s.config, stages) if stages > 1 else None)
         models[s.name] = Model(s, graphdef, tx, schedule)
         with sharding.use_mesh(mesh):
             trained[s.name] = ModelState(params, buffers, init_opt_state(params, tx))

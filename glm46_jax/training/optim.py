@@ -24,10 +24,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from glm46_jax.errors import check_choice, check_field, check_range
 from glm46_jax.model.paths import LAYER_STACKS, path_names
+from glm46_jax.model.pipeline import Layout, mesh_stages
 from glm46_jax.training.muon import NS_DTYPES, scale_by_consistent_rms, scale_by_muon
 from glm46_jax.training.schedule import SCHEDULES, Schedule, scale_by_schedule
 
@@ -179,8 +181,9 @@ def _decay_mask(cfg: OptimConfig, group: str, adam_decayed: tuple[str, ...] = ("
     return lambda tree: jax.tree_util.tree_map_with_path(leaf, tree)
 
 
-def muon_adamw(cfg: OptimConfig, schedule: Schedule) -> optax.GradientTransformation:
-    """Muon / AdamW partition + decoupled weight decay + lr (no clipping, no sharding wrapper).
+def muon_adamw(cfg: OptimConfig, schedule: Schedule, layout: Layout | None = None) -> optax.GradientTransformation:
+    """Muon / AdamW partition + decoupled weight decay + lr (no clipping, no sharding wrapper); `layout` as in
+    `scale_by_layer_decay`.
 
     Equal per leaf to
       muon: scale_by_muon -> rms scaling -> add_decayed_weights(weight_decay) -> scale_by_learning_rate
@@ -196,22 +199,32 @@ def muon_adamw(cfg: OptimConfig, schedule: Schedule) -> optax.GradientTransforma
         optax.partition({"muon": muon, "adam": adam}, functools.partial(param_labels, cfg=cfg)),
         optax.add_decayed_weights(cfg.weight_decay, mask=_decay_mask(cfg, "muon")),
         optax.add_decayed_weights(cfg.adam_weight_decay, mask=_decay_mask(cfg, "adam")),
-        *([scale_by_layer_decay(cfg.layer_decay)] if cfg.layer_decay != 1.0 else []),
+        *([scale_by_layer_decay(cfg.layer_decay, layout)] if cfg.layer_decay != 1.0 else []),
         scale_by_schedule(schedule),
     )
 
 
-def layer_depths(tree) -> Any:
+def layer_depths(tree, layout: Layout | None = None) -> Any:
     """Depth of every leaf for layer-wise lr decay: embedding 0, decoder layer i (dense first, then
     MoE, as in the model) i + 1, everything after the trunk (final norm, head, MTP) L + 1.
 
-    Stacked leaves get a [layers] vector of depths (one per slice of their leading axis).
+    Stacked leaves get a [layers] vector of depths (one per slice of their leading axis). `layout`: the MoE stack
+    is stored in that pipeline's slot order (docs/pipeline.md#layout); each slot gets the depth of the layer it
+    holds, identity padding slots the top's (their updates are zero), so the factors are the unpipelined model's.
     """
     def stack_size(name):
         leaves = [x for p, x in jax.tree_util.tree_leaves_with_path(tree) if path_names(p)[0] == name]
         return leaves[0].shape[0] if leaves else 0
 
     n_dense, n_moe = (stack_size(n) for n in LAYER_STACKS)
+    if layout is None and n_moe and mesh_stages() > 1:  # depths counted along the slots would be silently wrong
+        raise ValueError("layer_depths on a mesh with pipeline stages needs the MoE stack's layout: "
+                         "build_optimizer(..., layout=model.pipeline.layout(model_cfg, stages))")
+    if layout is not None and n_moe:
+        if n_moe != layout.slots:
+            raise ValueError(f"layer_depths: the MoE stack has {n_moe} slices, the pipeline layout {layout.slots} "
+                             "slots; pass layout only for a tree stored in that layout")
+        n_moe = layout.layers
     top = n_dense + n_moe + 1
 
     def depth(path, x):
@@ -220,22 +233,25 @@ def layer_depths(tree) -> Any:
             return jnp.zeros((), jnp.float32)
         if name in LAYER_STACKS:
             first = 1 if name == "dense_layers" else 1 + n_dense
+            if name == "moe_layers" and layout is not None:  # slot -> the layer it holds (padding: the top)
+                return jnp.asarray(first + np.minimum(layout.layer_of_slot(), layout.layers), jnp.float32)
             return jnp.arange(first, first + x.shape[0], dtype=jnp.float32)
         return jnp.asarray(top, jnp.float32)
 
     return jax.tree_util.tree_map_with_path(depth, tree), top
 
 
-def scale_by_layer_decay(decay: float) -> optax.GradientTransformation:
+def scale_by_layer_decay(decay: float, layout: Layout | None = None) -> optax.GradientTransformation:
     """Multiply each leaf's update by decay ** (L + 1 - depth) (`layer_depths`): the top of the model
     keeps the full lr, lower layers get geometrically less (ELECTRA/BEiT-style, for mid-training
-    and fine-tuning). optax has no depth-aware scaling, hence this small transform."""
+    and fine-tuning). optax has no depth-aware scaling, hence this small transform. `layout`: the MoE stack is in
+    that pipeline's slot order (a mesh with `pipeline` > 1), depths still count in layer order."""
     if not 0 < decay <= 1:
         raise ValueError(f"layer_decay={decay}: expected 0 < layer_decay <= 1")
 
     def update(updates, state, params=None):
         del params
-        depths, top = layer_depths(updates)
+        depths, top = layer_depths(updates, layout)
 
         def scale(u, d):
             factor = jnp.power(jnp.float32(decay), top - d)
@@ -272,8 +288,8 @@ def sharded_update(tx: optax.GradientTransformation) -> optax.GradientTransforma
     return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
-def build_optimizer(cfg: OptimConfig, params: Any = None, *, sharded: bool = True,
-                    skip_nonfinite: bool = True) -> tuple[optax.GradientTransformation, Schedule]:
+def build_optimizer(cfg: OptimConfig, params: Any = None, *, sharded: bool = True, skip_nonfinite: bool = True,
+                    layout: Layout | None = None) -> tuple[optax.GradientTransformation, Schedule]:
     """clip_by_global_norm(clip) -> Muon/AdamW (`muon_adamw`), or AdamW alone with `algorithm="adamw"`, and its
     schedule (`make_schedule`).
 
@@ -282,14 +298,16 @@ def build_optimizer(cfg: OptimConfig, params: Any = None, *, sharded: bool = Tru
     `skip_nonfinite=True` wraps it in `optax.apply_if_finite`: a gradient with a NaN/Inf anywhere
     leaves params and moments untouched and is counted in the state (`notfinite_count`,
     `total_notfinite`); it never gives up and applies one, the training loop stops the run instead.
+    `layout`: the pipeline layout the params' MoE stack is stored in (`model.pipeline.layout`), None without
+    one; only layer-wise lr decay reads it.
     """
     if cfg.algorithm != "adamw" and params is not None:
         param_labels(params, cfg)  # raises early on an unexpected tree
-    return _optimizer(cfg, sharded, skip_nonfinite)
+    return _optimizer(cfg, sharded, skip_nonfinite, layout if cfg.layer_decay != 1.0 else None)
 
 
 @functools.cache
-def _optimizer(cfg: OptimConfig, sharded: bool, skip_nonfinite: bool
+def _optimizer(cfg: OptimConfig, sharded: bool, skip_nonfinite: bool, layout: Layout | None = None
                ) -> tuple[optax.GradientTransformation, Schedule]:
     # One object per configuration in a process: the train step built on it is then the same jitted function
     # too (training/step.py), and a second run in the process (a resume, another seed) traces nothing again.
@@ -300,7 +318,7 @@ def _optimizer(cfg: OptimConfig, sharded: bool, skip_nonfinite: bool
             optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps),
             optax.add_decayed_weights(cfg.weight_decay, matrices), scale_by_schedule(schedule))
     else:
-        inner = muon_adamw(cfg, schedule)
+        inner = muon_adamw(cfg, schedule, layout)
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip), inner)
     tx = sharded_update(tx) if sharded else tx
     if skip_nonfinite:

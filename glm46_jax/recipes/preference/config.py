@@ -61,5 +61,6 @@ class PreferenceConfig:
             raise InputError(f"mesh.context={context} with recipe {cfg.recipe}: a preference batch reads each reply's "
                              "last position per row, which the context layout splits; set mesh.context=1")
         if stages > 1 and self.method == "lora":
-            raise InputError(f"mesh.pipeline={stages} with preference.method=lora: LoRA adapters are not built for "
-                             "the pipeline's layer layout; set mesh.pipeline=1 (or preference.method=full)")
+            raise InputError(f"mesh.pipeline={stages} with preference.method=lora: the reward and DPO recipes do not "
+                             "run LoRA on a pipeline mesh yet (SFT does: docs/lora.md#pipeline-meshes); set "
+                             "mesh.pipeline=1 (or preference.method=full)")

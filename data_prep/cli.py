@@ -10,6 +10,8 @@
     sample-preferences  [--out data/sample_preferences]   generated addition and chat pairs through `preferences`
     policy-preferences  --checkpoint RUN --prompts P --labeller L --out DIR   a policy's own samples, labelled in
                                                           pairs, through `preferences` (policy_preferences.py)
+    passkey         --tokenizer T --out DIR               synthetic passkey retrieval cases over a (length, depth)
+                                                          grid, for `glm46_jax.eval --passkey` (passkey.py)
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 from datatrove.io import get_datafolder
 from tokenizers import Tokenizer
 
-from data_prep import (executors, pipeline, policy_preferences, preferences, report, sample, sample_chats,
+from data_prep import (executors, passkey, pipeline, policy_preferences, preferences, report, sample, sample_chats,
                        sample_preferences, sft)
 from data_prep.executors import EXECUTORS
 from data_prep.inputs import ReaderOptions, parse_input
@@ -201,6 +203,8 @@ def build_parser() -> Parser:
             out="dataset directory (default: data/sample_preferences)", out_default="data/sample_preferences")
     command("policy-preferences", "sample a policy on prompts, label pairs of its completions and run `preferences` "
             "on them", policy_preferences.add_args, lambda p: _add_preferences(p, sample=False, policy=True))
+    command("passkey", "synthetic passkey retrieval cases (a length x depth grid) for `glm46_jax.eval --passkey`",
+            passkey.add_args, out="directory to write cases.jsonl (and train.jsonl) in")
     return parser
 
 
@@ -350,6 +354,8 @@ def run(args: argparse.Namespace) -> None:
         return _run_sft(args)
     if args.command in ("preferences", "sample-preferences", "policy-preferences"):
         return _run_preferences(args)
+    if args.command == "passkey":
+        return passkey.run(args)
     if args.command == "sample":
         inputs, found = sample.build_sources(args.out, args.max_docs_per_domain)
         print(f"sample: {found['code_candidates']} code / {found['prose_candidates']} prose candidates from "

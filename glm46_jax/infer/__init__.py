@@ -6,6 +6,7 @@
     speculative   speculative decoding with the MTP layer as the drafter
     score         per-token log-probabilities and the total log-likelihood of token sequences
     eval          held-out perplexity per domain of a corpus
+    passkey       passkey retrieval accuracy per (context length, needle depth) cell (`eval --passkey`)
     harness       the lm-evaluation-harness adapter (model type `glm46_jax`)
 
 The chat format they encode prompts with is `glm46_jax.interop.chat`.

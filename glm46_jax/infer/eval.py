@@ -20,6 +20,11 @@ baseline's, naming the domain and by how much:
 
     python -m glm46_jax.eval --checkpoint runs/midtrain_tiny --baseline runs/tiny --corpus data/sample \\
         --guard prose --max-regression 0.02
+
+Long-context retrieval: `--passkey CASES.jsonl` (instead of --corpus) scores synthetic passkey cases and prints
+the accuracy per (context length, needle depth) cell (glm46_jax/infer/passkey.py):
+
+    python -m glm46_jax.eval --checkpoint runs/tiny --passkey data/passkey/cases.jsonl --out passkey.json
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from jaxtyping import Array, Float
 from glm46_jax import cli
 from glm46_jax.errors import InputError
 from glm46_jax.data import loader
+from glm46_jax.infer import passkey
 from glm46_jax.infer.load import add_model_args, load_model
 from glm46_jax.model import apply
 from glm46_jax.parallel import sharding
@@ -49,15 +55,19 @@ from glm46_jax.training.loss import token_nll
 
 Batch = dict[str, np.ndarray]
 DEFAULT_MAX_REGRESSION = 0.02  # --max-regression: a guarded domain's CE may rise by 2% of the baseline's
+DEFAULT_SEQ_LEN = 256
 
 
 def _parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m glm46_jax.eval", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--corpus", required=True, help="a corpus written by data_prep (metadata.json + heldout shards)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--corpus", help="a corpus written by data_prep (metadata.json + heldout shards)")
+    what.add_argument("--passkey", metavar="CASES.jsonl", help="passkey retrieval accuracy per (length, depth) cell "
+                                                               "on cases written by `python -m data_prep passkey`")
     p.add_argument("--domains", help="comma-separated domains (default: every domain with held-out data)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per row (default 256)")
+    p.add_argument("--seq-len", type=int, help=f"tokens per row (default {DEFAULT_SEQ_LEN})")
     p.add_argument("--batch", type=int, default=8, help="rows per forward pass (default 8)")
     p.add_argument("--out", help="also write the results as JSON here")
     gate = p.add_argument_group("forgetting gate")
@@ -235,8 +245,12 @@ def evaluate(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Prints the table (and the guard's verdict); returns one result per domain, then the token-weighted total.
 
     With --baseline each row also has baseline_ce, baseline_ppl, ce_diff (CE - baseline CE, nats/token) and
-    ce_rel_diff (ce_diff / baseline CE); with --guard each guarded row has max_regression and regressed (bool)."""
+    ce_rel_diff (ce_diff / baseline CE); with --guard each guarded row has max_regression and regressed (bool).
+    With --passkey instead of --corpus: one result per (length, depth) cell (glm46_jax/infer/passkey.py)."""
     args = _parser().parse_args(argv)
+    if args.passkey:
+        return passkey.evaluate(args)
+    args.seq_len = DEFAULT_SEQ_LEN if args.seq_len is None else args.seq_len
     if args.seq_len < 1 or args.batch < 1:
         raise InputError(f"--seq-len={args.seq_len} and --batch={args.batch} must be >= 1")
     if args.guard is not None and not args.baseline:

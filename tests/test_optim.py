@@ -445,7 +445,7 @@ BAD_OPTIM_VALUES = [
     ("b2", 1.0), ("eps", 0.0), ("schedule", "linear"), ("wsd_decay_steps", -1), ("restarts", 0),
     ("muon_momentum", 1.0), ("muon_ns_steps", 0), ("muon_rms", 0.0), ("adam_weight_decay", -0.1),
     ("router_optimizer", "sgd"), ("head_optimizer", "lion"), ("layer_decay", 0.0), ("layer_decay", 1.5),
-    ("algorithm", "sgd"), ("muon_ns_dtype", "float16"),
+    ("algorithm", "sgd"), ("muon_ns_dtype", "float16"), ("offload", "disk"),
 ]
 
 

@@ -34,7 +34,7 @@ from glm46_jax.model.layers import normal_init
 from glm46_jax.model.lora import LoRAConfig
 from glm46_jax.parallel import sharding
 from glm46_jax.run_config import RunConfig
-from glm46_jax.training import checkpoint
+from glm46_jax.training import checkpoint, offload
 from glm46_jax.training.optim import OptimConfig, build_optimizer
 from glm46_jax.training.schedule import Schedule
 from glm46_jax.training.step import FrozenModel, ModelState, TrainState, init_opt_state
@@ -177,6 +177,7 @@ def build(cfg: RunConfig, devices: Sequence[jax.Device] | None, specs: Sequence[
         step = jax.numpy.zeros((), jax.numpy.int32)
     state = TrainState(step=step, params=first.params, buffers=first.buffers, opt_state=first.opt_state,
                        others=trained)
+    state = offload.place(state, {s.name: (s.optim or cfg.optim).offload for s in specs if s.trained}, main.name)
     return Built(mesh, models, state, frozen or None)
 
 

@@ -260,6 +260,9 @@ class Checkpointer:
         state = target.replace(step=r["optimizer"]["step"], params=params, buffers=buffers, opt_state=opt_state)
         if target.others:
             state = state.replace(others=_others_from_tree(r["others"], target.others, meta))
+        # in the memory the target's leaves live in: a host-offloaded optimizer state (training/offload.py)
+        state = jax.tree.map(lambda x, t: x if x.sharding.memory_kind == t.sharding.memory_kind
+                             else jax.device_put(x, t.sharding), state, target)
         return state, processes[jax.process_index()], dict(r["meta"])
 
     def close(self) -> None:

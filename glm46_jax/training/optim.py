@@ -31,6 +31,7 @@ from glm46_jax.errors import check_choice, check_field, check_range
 from glm46_jax.model.paths import LAYER_STACKS, path_names
 from glm46_jax.model.pipeline import Layout, mesh_stages
 from glm46_jax.training.muon import NS_DTYPES, scale_by_consistent_rms, scale_by_muon
+from glm46_jax.training.offload import OFFLOAD
 from glm46_jax.training.schedule import SCHEDULES, Schedule, scale_by_schedule
 
 # --- the optimizer split (the plan tool counts optimizer state with it too) -----------------------
@@ -85,6 +86,9 @@ class OptimConfig:
     # muon_adamw: Muon on the matrices, AdamW on the rest (pre-training); adamw: AdamW on every leaf, decoupled
     # weight decay on the matrices (LoRA adapters, or full fine-tuning the way most recipes do it)
     algorithm: str = "muon_adamw"
+    # Where the optimizer state lives between steps: "none" = device memory; "optimizer" = host memory
+    # (pinned_host), streamed to the device for the update (training/offload.py, docs/training.md#host-offload)
+    offload: str = "none"
 
     def __post_init__(self):
         def bounds(field, meaning="", **kw):
@@ -114,6 +118,7 @@ class OptimConfig:
         check_choice("optim", self, "head_optimizer", ("adam", "muon"))
         bounds("layer_decay", gt=0, le=1, meaning="1 = off")
         check_choice("optim", self, "algorithm", ("muon_adamw", "adamw"))
+        check_choice("optim", self, "offload", OFFLOAD)
 
 
 # --- schedules --------------------------------------------------------------------------------

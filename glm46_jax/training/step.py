@@ -30,7 +30,7 @@ from jaxtyping import Array, Int
 
 from glm46_jax.config import ModelConfig
 from glm46_jax.model import pipeline
-from glm46_jax.training import balancing
+from glm46_jax.training import balancing, offload
 from glm46_jax.training.loss import Batch, LossConfig, batch_norms, loss_fn
 from glm46_jax.training.schedule import Schedule
 
@@ -135,7 +135,8 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
               batch_stats: Callable[[Batch], dict[str, Array]] | None = None,
               after_update: Callable | None = None, lr_schedule: Schedule | None = None) -> Callable:
     """The one update step every recipe's loss plugs into: step(state, batch, controls, frozen) -> (state, metrics),
-    jitted with the state donated; trace and call it inside `sharding.use_mesh(mesh)`.
+    jitted with the state donated; trace and call it inside `sharding.use_mesh(mesh)`. State leaves that arrive in
+    host memory (`offload.place`) are computed with on the device and returned to host memory.
 
     Gradients of `loss` w.r.t. every trained model (`txs`: each model's own optimizer; `main` is the state's first
     model) summed over `accum_steps` micro-batches (`lax.scan`; every batch array is then [A, b, ...] and the loss
@@ -170,6 +171,8 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
 
     def step(state: TrainState, batch: Batch, ctrl: Controls, frozen: Frozen = None
              ) -> tuple[TrainState, dict[str, Any]]:
+        resident = state  # where each leaf lives between steps: host-offloaded ones go back there
+        state = offload.fetch(state)
         models = state.models(main)
         params = {n: m.params for n, m in models.items()}
         buffers = {n: m.buffers for n, m in models.items()}
@@ -211,7 +214,8 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
         if lr_schedule is not None:  # the lr of this update: optax counts applied updates only
             applied_before = state.step - (before.total_notfinite if before is not None else 0)
             out["lr"] = jnp.asarray(lr_schedule.at(applied_before, lr_inputs.get(main)), jnp.float32)
-        return state.with_models(main, new).replace(step=state.step + 1), out
+        new_state = state.with_models(main, new).replace(step=state.step + 1)
+        return offload.store_like(new_state, resident), out
 
     return jax.jit(step, donate_argnums=(0,))
 

@@ -58,6 +58,23 @@ def _glm45_phases(rope_long: float = 1e6) -> dict:
     }
 
 
+def _glm46_phases() -> dict:
+    """GLM-4.6: GLM-4.5's schedule with its context grown 32K -> 64K -> 128K -> 200K. GLM publishes no GLM-4.6
+    training details (the README says only "from 128K to 200K"; the config keeps RoPE theta 1e6, no scaling), so
+    the 64K and 200K phases are our choice: RoPE unchanged at 1e6 (as from 32K to 128K), the report's 64M-token
+    batch (1,024 rows of 64K; 320 rows of 202,752 tokens, the model's max_position_embeddings), and budgets a
+    tenth of the 32K phases' (docs/long_context.md#the-200k-phase)."""
+    p = _glm45_phases()
+    return {
+        **{k: p[k] for k in ("general", "code_reasoning", "repo_code", "synthetic_reasoning")},
+        "long_context_64k": dict(tokens=100 * B, seq_len=65536, global_batch=1024, rope_theta=1e6, pack="best_fit",
+                                 mixture=dict(long_context=0.5, repo_code=0.3, web=0.2)),
+        "long_context_agent": p["long_context_agent"],
+        "long_context_200k": dict(tokens=50 * B, seq_len=202752, global_batch=320, rope_theta=1e6, pack="best_fit",
+                                  mixture=dict(long_context=0.6, agent=0.3, web=0.1)),
+    }
+
+
 # One mesh serves a whole run (every phase), so GLM-4.5/4.6's is the one their 128K phase needs: each sequence
 # split over context=8 devices, data taking the rest (16 on 2048 H100s). The plan tool puts every phase under
 # 80 GB per device on 2048 H100s (docs/long_context.md#the-glm-45-mesh). The 4K phases would run faster with
@@ -111,7 +128,7 @@ _PRESETS = {
                   data=dict(phases=_glm45_phases())),
     "glm46": dict(model=dict(dtype="bfloat16", remat="full", attention_impl="blockwise"),
                   mesh=_GLM45_MESH,
-                  data=dict(phases=_glm45_phases())),
+                  data=dict(phases=_glm46_phases())),
 }
 
 # The serving tests' model (docs/serving.md#the-serve-preset) trains like tiny, on the same corpus.

@@ -17,6 +17,7 @@ and the top-level modules:
     rlhf         `python -m glm46_jax.rlhf`: RLHF in rounds (sample -> label -> reward model -> PPO) over train
     run_config   a run's typed config, converted once from the config file, and the recipe registry (RECIPES)
     plan, bench  the memory/FLOPs plan of a mesh; the real train step's tokens/s and MFU
+    plan_search  the plan's layout search: the fewest devices and the mesh a step fits on
     generate, score, eval, harness, convert
                  the other command lines (`python -m glm46_jax.<name>`) over infer/ and interop/
     config       ModelConfig (HF Glm4MoeConfig field names), presets, config.json interop

@@ -2,6 +2,8 @@
 
     python -m glm46_jax.plan --config=configs/pretrain.py:glm45 --mesh=data=32,tensor=8,expert=32,pipeline=1 \
         --micro-batch=1 --seq-len=4096 --device-memory=80GiB
+    python -m glm46_jax.plan --config=configs/pretrain.py:glm46 --phase=long_context_200k --device-memory=80GB \
+        --search    # the fewest devices and the mesh that fit (glm46_jax/plan_search.py)
 
 Exact per device (from the abstract model's shapes and PartitionSpecs; a dim of size n sharded
 over axes of total size k holds ceil(n / k) entries on every device):
@@ -23,6 +25,7 @@ The command line prints the table and exits 1 when the plan does not fit --devic
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import sys
@@ -31,12 +34,13 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from glm46_jax import cli, errors, run_config
+from glm46_jax import cli, errors, plan_search, run_config
 from glm46_jax.config import ModelConfig
 from glm46_jax.model.counting import ParamCounts, flops_per_token, matmul_params_per_token, param_counts
 from glm46_jax.model.paths import LAYER_STACKS, path_names
 from glm46_jax.parallel import sharding
 from glm46_jax.model.activations import ActivationEstimate, activation_estimate
+from glm46_jax.training.offload import OFFLOAD
 from glm46_jax.training.optim import optimizer_group
 
 GiB = 1 << 30
@@ -121,6 +125,8 @@ class PlanResult:
     flops_per_token: int
     device_memory: int | None = None
     pipeline: PipelinePlan | None = None
+    offload: str = "none"  # optim.offload: "optimizer" keeps the optimizer state in host memory
+    largest_opt_leaf: int = 0  # one leaf's optimizer state: what an offloaded update holds on the device at once
 
     @property
     def optimizer(self) -> int:
@@ -128,12 +134,20 @@ class PlanResult:
 
     @property
     def static(self) -> int:
-        """Exact part: params + grads + optimizer state + buffers."""
-        return self.params + self.grads + self.optimizer + self.buffers
+        """Exact part on the device: params + grads + optimizer state (unless offloaded) + buffers."""
+        return self.params + self.grads + self.buffers + (self.optimizer if self.offload == "none" else 0)
+
+    @property
+    def host(self) -> int:
+        """Host memory per device: the offloaded optimizer state."""
+        return 0 if self.offload == "none" else self.optimizer
 
     @property
     def total(self) -> int:
-        return self.static + self.gathered_weights + self.activations.total
+        """Device memory per device; an offloaded update streams one leaf's state at a time (an estimate: XLA
+        schedules the transfers)."""
+        streamed = self.largest_opt_leaf if self.offload != "none" else 0
+        return self.static + self.gathered_weights + self.activations.total + streamed
 
     @property
     def fits(self) -> bool | None:
@@ -153,8 +167,11 @@ class PlanResult:
         cfg, act = self.cfg, self.activations
         hints = []
         if self.static > self.device_memory:
-            hints.append(f"params + grads + optimizer state alone need {self.static / GiB:.2f} GiB: shard them over "
-                         "more devices (a larger data axis for FSDP, a larger expert axis for the experts)")
+            what = "params + grads + optimizer state" if self.offload == "none" else "params + grads"
+            hints.append(f"{what} alone need {self.static / GiB:.2f} GiB: shard them over more devices (a larger "
+                         "data axis for FSDP, a larger expert axis for the experts)")
+        if self.offload == "none":
+            hints.append(f"--offload=optimizer (the optimizer state's {self.optimizer / GiB:.2f} GiB in host memory)")
         else:
             hints.append("more data / expert sharding (shrinks params, grads and optimizer state)")
         if self.remat != "full":
@@ -211,8 +228,11 @@ class PlanResult:
 
         row(f"params ({cfg.param_dtype})", self.params)
         row(f"grads ({cfg.param_dtype})", self.grads)
-        row("optimizer: Muon momentum (fp32)", self.muon_momentum)
-        row("optimizer: AdamW moments (2 x fp32)", self.adam_moments)
+        where = "" if self.offload == "none" else ", host"
+        row(f"optimizer: Muon momentum (fp32{where})", self.muon_momentum)
+        row(f"optimizer: AdamW moments (2 x fp32{where})", self.adam_moments)
+        if self.offload != "none":
+            row("  one leaf's state streamed in the update", self.largest_opt_leaf)
         row("buffers (correction bias)", self.buffers)
         row("gathered weights (estimate)", self.gathered_weights)
         row(f"activations (estimate, remat={self.remat})", act.total)
@@ -222,16 +242,33 @@ class PlanResult:
         row("  logits (main + MTP)", act.logits)
         if act.pipeline:
             row("  pipeline micro-batch buffers", act.pipeline)
-        row("total", self.total)
+        row("total" if self.offload == "none" else "total (device; host state excluded)", self.total)
+        if self.host:
+            lines.append(f"host memory: {self.host / GiB:.2f} GiB per device, {8 * self.host / GiB:.2f} GiB per "
+                         "8-device node (pinned: it stays in RAM)")
         lines.append(f"(one copy of the params: {self.unique_params_bytes / GiB:.2f} GiB; MoE dispatch buffers: "
                      f"{act.moe_buffers_per_layer / GiB:.2f} GiB per MoE layer, inside the activation estimate)")
         lines += ["", self.verdict()]
         return "\n".join(lines)
 
 
+@functools.lru_cache(maxsize=32)
+def _abstract_model(cfg: ModelConfig, tensor: int, pipeline: int):
+    """The abstract params and buffers. Their shapes depend on the mesh only through `tensor` (KV heads copied) and
+    `pipeline` (the stack's slots), their PartitionSpecs not at all (logical names), so meshes that differ
+    elsewhere share one shape evaluation (a search plans hundreds)."""
+    from glm46_jax.model import abstract_model  # the model pulls in flax; keep `--help` fast
+
+    sizes = {**dict.fromkeys(sharding.MESH_AXES, 1), "tensor": tensor, "pipeline": pipeline}
+    amesh = jax.sharding.AbstractMesh(tuple(sizes[a] for a in sharding.MESH_AXES), sharding.MESH_AXES,
+                                      axis_types=(jax.sharding.AxisType.Explicit,) * len(sharding.MESH_AXES))
+    _, params, buffers = abstract_model(cfg, amesh)
+    return params, buffers
+
+
 def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None = None, micro_batch: int = 1,
          seq_len: int = 4096, remat: str | None = None, device_memory: int | None = None,
-         global_batch: int | None = None, router_optimizer: str = "adam") -> PlanResult:
+         global_batch: int | None = None, router_optimizer: str = "adam", offload: str = "none") -> PlanResult:
     """Per-device memory of training `cfg` on a mesh of `mesh_sizes` (missing axes are 1).
 
     One axis may be -1 (the remaining devices) when `devices` is given; otherwise the mesh has
@@ -246,6 +283,8 @@ def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None
         devices = math.prod(int(v) for v in mesh_sizes.values())
     sizes = sharding.mesh_shape(mesh_sizes, devices)
     sharding.validate_mesh(sizes, cfg, global_batch)
+    if offload not in OFFLOAD:
+        raise errors.InputError(f"--offload={offload!r}: expected one of {', '.join(OFFLOAD)}")
     if micro_batch < 1 or seq_len < 1:
         raise errors.InputError(f"--micro-batch={micro_batch} and --seq-len={seq_len} must be >= 1")
     sharding.check_context_split(seq_len, sizes["context"], "--seq-len")
@@ -260,14 +299,10 @@ def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None
                              f"{sizes['pipeline'] * micro_batch} rows in model.pipeline_microbatches="
                              f"{cfg.pipeline_microbatches or sizes['pipeline']} micro-batches; make them divide")
 
-    from glm46_jax.model import abstract_model  # the model pulls in flax; keep `--help` fast
-
-    amesh = jax.sharding.AbstractMesh(tuple(sizes[a] for a in sharding.MESH_AXES), sharding.MESH_AXES,
-                                      axis_types=(jax.sharding.AxisType.Explicit,) * len(sharding.MESH_AXES))
-    _, params, buffers = abstract_model(cfg, amesh)
+    params, buffers = _abstract_model(cfg, sizes["tensor"], sizes["pipeline"])
     fsdp = {a for name in sharding.FSDP_LOGICAL for a in sharding.mesh_axes(name)}
 
-    param_bytes = muon = adam = n_muon = n_adam = unique = 0
+    param_bytes = muon = adam = n_muon = n_adam = unique = largest_opt = 0
     layer_gathered: dict[str, int] = {}  # one layer of each stack (and the MTP layer), compute layout
     head_gathered = 0  # embedding + lm_head, live from the first layer to the MTP logits
     for path, x in jax.tree_util.tree_leaves_with_path(params):
@@ -278,8 +313,10 @@ def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None
         unique += size * np.dtype(x.dtype).itemsize
         if optimizer_group(path, x.ndim, router=router_optimizer) == "muon":
             muon, n_muon = muon + local * _OPT_BYTES, n_muon + size
+            largest_opt = max(largest_opt, local * _OPT_BYTES)
         else:
             adam, n_adam = adam + 2 * local * _OPT_BYTES, n_adam + size
+            largest_opt = max(largest_opt, 2 * local * _OPT_BYTES)
         gathered = shard_elements(x, sizes, drop_axes=fsdp, skip_leading=names[0] in LAYER_STACKS)
         gathered *= np.dtype(x.dtype).itemsize
         if names[0] in ("embed_tokens", "lm_head"):
@@ -308,7 +345,7 @@ def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None
         activations=activation_estimate(cfg, sizes, micro_batch, seq_len, remat),
         counts=param_counts(cfg), muon_params=n_muon, adam_params=n_adam, unique_params_bytes=unique,
         matmul_params_per_token=matmul_params_per_token(cfg), flops_per_token=flops_per_token(cfg, seq_len),
-        device_memory=device_memory, pipeline=pp)
+        device_memory=device_memory, pipeline=pp, offload=offload, largest_opt_leaf=largest_opt)
 
 
 # --- command line ------------------------------------------------------------------------------
@@ -356,6 +393,17 @@ def _flags(argv: list[str]):
             flag_values=fv),
         "router_optimizer": flags.DEFINE_enum(
             "router-optimizer", "adam", ["adam", "muon"], "Optimizer group of the router weights.", flag_values=fv),
+        "offload": flags.DEFINE_enum(
+            "offload", None, list(OFFLOAD), "Optimizer state in host memory (default: the config's optim.offload).",
+            flag_values=fv),
+        "phase": flags.DEFINE_string(
+            "phase", None, "Curriculum phase whose seq_len and global batch to plan (default: the first).",
+            flag_values=fv),
+        "search": flags.DEFINE_boolean(
+            "search", False, "Find the fewest devices (powers of two) and the mesh that fit --device-memory "
+            "(glm46_jax/plan_search.py); --mesh and --devices are then ignored.", flag_values=fv),
+        "margin": flags.DEFINE_float(
+            "margin", 0.1, "With --search: the share of device memory left to XLA's workspace.", flag_values=fv),
     }
     if any(a in ("-h", "--help", "--helpshort", "--helpfull") for a in argv):
         print(f"python -m glm46_jax.plan --config=configs/pretrain.py:glm45 --mesh=data=32,tensor=8,expert=32 ...\n\n"
@@ -367,25 +415,42 @@ def _flags(argv: list[str]):
     return {"config_path": fv["config"].config_filename, **{k: v.value for k, v in f.items()}}
 
 
-def main(argv: list[str] | None = None) -> PlanResult:
-    """Parse flags, plan, print the report; returns the PlanResult."""
+def main(argv: list[str] | None = None) -> PlanResult | None:
+    """Parse flags, plan (or search), print the report; returns the PlanResult (None: the search found none)."""
     args = _flags(list(sys.argv[1:] if argv is None else argv))
     run_cfg = run_config.from_config_dict(args["config"])  # the one place the ConfigDict is read
     mesh = parse_mesh(args["mesh"]) if args["mesh"] else run_cfg.mesh.sizes()
     memory = cli.parse_bytes(args["device_memory"], "--device-memory") if args["device_memory"] else None
-    # The batch shape of the curriculum's first step (its first phase, at the start of any batch ramp).
-    first = run_cfg.data.curriculum.phases[0]
-    seq_len = args["seq_len"] or first.seq_len
-    result = plan(run_cfg.model, mesh, devices=args["devices"], micro_batch=args["micro_batch"], seq_len=seq_len,
-                  remat=args["remat"], device_memory=memory, global_batch=first.rows_at(0),
-                  router_optimizer=args["router_optimizer"])
+    # The batch shape of the phase's first step (at the start of any batch ramp); the first phase by default.
+    phases = {p.name: p for p in run_cfg.data.curriculum.phases}
+    if args["phase"] is not None and args["phase"] not in phases:
+        raise errors.InputError(f"--phase={args['phase']}: the config's phases are {', '.join(phases)}")
+    phase = phases[args["phase"]] if args["phase"] else run_cfg.data.curriculum.phases[0]
+    seq_len = args["seq_len"] or phase.seq_len
+    at = functools.partial(plan, run_cfg.model, micro_batch=args["micro_batch"], seq_len=seq_len,
+                           remat=args["remat"], device_memory=memory, global_batch=phase.rows_at(0),
+                           router_optimizer=args["router_optimizer"], offload=args["offload"] or run_cfg.optim.offload)
+    if not args["search"]:
+        result = at(mesh, devices=args["devices"])
+    elif memory is None:
+        raise errors.InputError("--search needs --device-memory (e.g. 80GB)")
+    else:
+        result = plan_search.smallest_fitting(at, memory, margin=args["margin"])
     print(f"plan for {run_cfg.source['model'].get('preset', 'the config')} ({args['config_path']})")
+    if args["search"] and result is None:
+        print(f"no mesh of up to 16384 devices fits {memory / GiB:.2f} GiB per device with a "
+              f"{100 * args['margin']:.0f}% margin")
+        return None
+    if args["search"]:
+        print(f"fewest devices: {result.devices}, mesh {result.mesh} (plan_search's choice among those that fit in "
+              f"{100 * (1 - args['margin']):.0f}% of the device's memory)")
     print(result.report())
     return result
 
 
 def exit_code() -> int:
-    return 1 if main().fits is False else 0  # 1: the plan does not fit (a verdict, not a usage error)
+    result = main()  # 1: nothing fits (a verdict, not a usage error)
+    return 1 if result is None or result.fits is False else 0
 
 
 if __name__ == "__main__":

@@ -145,7 +145,8 @@ def pytest_collection_finish(session):
 # started last would end the run on one worker while the other idles. The rest keep pytest's order after these.
 LONGEST_FIRST = ("test_rl.py", "test_context_parallel.py", "test_preference_recipes.py", "test_resilience.py",
                  "test_pipeline.py", "test_multiprocess.py", "test_slurm.py", "test_data_prep_executors.py", "test_sharding.py",
-                 "test_generate.py", "test_lora.py", "test_sft.py", "test_prometheus_e2e.py")
+                 "test_generate.py", "test_lora.py", "test_sft.py", "test_prometheus_e2e.py",
+                 "test_passkey.py", "test_lora_pipeline.py", "test_offload.py")  # the last three: 40-75 s alone
 
 
 _COMPILE_COUNTS = compile_cache.counts()

@@ -1,6 +1,7 @@
 """Context parallelism on 8 virtual CPU devices: the load-balanced layout (hand-checked, round trip), and the
-training loss, its metrics, logits and every gradient of a 2K-token packed batch sharded over context 2 and 4
-(with data / tensor / expert) against the single-device model; config errors."""
+training loss, its metrics, logits and every gradient of a packed batch of 1,584-token rows (not a power of two,
+like GLM-4.6's 202,752: 2^11 x 99) sharded over context 2 and 4 (with data / tensor / expert) against the
+single-device model; config errors."""
 
 import dataclasses
 import os
@@ -19,7 +20,8 @@ from glm46_jax.data import loader
 from glm46_jax.training.loss import LossConfig, loss_fn
 from glm46_jax.model import GenerationCache, abstract_model, apply, init_model, pipeline
 
-SEQ, ROWS = 2048, 2
+# 8 chunks of 198 tokens at context 4 (4 of 396 at context 2): the 128-token attention blocks do not divide a chunk.
+SEQ, ROWS = 1584, 2
 # 1 dense + 1 MoE layer + MTP, dropless (capacity drops depend on token order, so only dropless is order-free).
 CFG = dataclasses.replace(TINY, vocab_size=128, num_hidden_layers=2, attention_impl="blockwise",
                           attention_block_q=128, attention_block_kv=128)
@@ -42,10 +44,13 @@ def test_load_balanced_order_by_hand():
 
 def _packed_rows(rng, rows: int, seq: int, pad_id: int = 0) -> dict[str, np.ndarray]:
     """Rows as the loader makes them (`shift_row`): documents of 100-700 tokens packed end to end, so they
-    straddle the chunk boundaries; the last row ends in padding."""
+    straddle the chunk boundaries; the first row starts with documents that end exactly on the boundaries of the
+    context-4 chunks (1, 2 and 4 of the 8; 2 and 4 are context 2's) and one that ends mid-chunk; the last row ends
+    in padding."""
     out = []
+    chunk = seq // 8
     for r in range(rows):
-        lengths = []
+        lengths = [chunk, chunk, 3 * chunk // 2, chunk // 2] if r == 0 else []
         while sum(lengths) < seq + 1:
             lengths.append(int(rng.integers(100, 700)))
         segments = np.repeat(np.arange(1, len(lengths) + 1), lengths)[:seq + 1]
@@ -111,6 +116,8 @@ def reference(mesh1):
     keys = iter(jax.random.split(jax.random.key(1), 100))  # a non-zero correction bias: routing is biased
     buffers = jax.tree.map(lambda b: 0.05 * jax.random.normal(next(keys), b.shape), buffers)
     batch = _packed_rows(np.random.default_rng(1), ROWS, SEQ)
+    starts = np.flatnonzero(np.diff(batch["segment_ids"][0])) + 1  # where a new document begins in row 0
+    assert {SEQ // 8, SEQ // 4, SEQ // 2} <= set(starts.tolist()) and SEQ * 7 // 16 in starts, starts
     return params, buffers, batch, _run(CFG, mesh1, params, buffers, batch)
 
 

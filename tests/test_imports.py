@@ -106,6 +106,7 @@ def test_packages_import_one_way():
 LAYERS = [
     {"rlhf"},  # a pipeline over train's stages
     {"train", "bench", "plan", "generate", "score", "eval", "harness", "convert"},  # the command lines
+    {"plan_search"},  # the plan tool's layout search: it gets the planning as a callable
     {"recipes"},
     {"run_config"},
     {"infer"},

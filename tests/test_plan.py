@@ -1,5 +1,7 @@
 """The plan tool: per-device bytes and FLOPs against hand arithmetic, fit verdicts, mesh errors, CLI."""
 
+import itertools
+import math
 import os
 import subprocess
 import sys
@@ -54,6 +56,14 @@ def test_glm45_per_device_param_bytes_match_hand_arithmetic():
     assert r.muon_momentum == 4 * (elements - adam)
     assert r.buffers == 4 * 90 * 160  # e_score_correction_bias [89, 160] + [160], replicated
     assert r.static == 4 * elements * 2 + 4 * (elements - adam) + 8 * adam + 4 * 90 * 160
+    # --offload=optimizer: the moments are host memory; the device streams one leaf's at a time, the largest being
+    # the MoE layers' q_proj / o_proj momentum [89 layers, H/data, 96/tensor, 128] (the experts' [89, E/expert,
+    # H/data, Im/tensor] is 89 x 5 x 160 x 192, smaller).
+    off = plan_lib.plan(GLM45, MESH_8192, micro_batch=1, seq_len=4096, remat="full", offload="optimizer")
+    assert off.host == 4 * (elements - adam) + 8 * adam and r.host == 0
+    assert off.largest_opt_leaf == 4 * 89 * 160 * 12 * 128
+    assert off.static == 4 * elements * 2 + 4 * 90 * 160
+    assert off.total == r.total - r.optimizer + off.largest_opt_leaf
     # Unsharded counts agree with counting.py (the correction bias is a buffer, not a param).
     assert r.muon_params + r.adam_params == param_counts(GLM45).model_total - 90 * 160
     assert r.counts.report_total == 351_245_936_544 + 3_988_069_792  # trunk + MTP: "355.23B"
@@ -173,7 +183,11 @@ def test_cli_exit_codes():
     cases = {  # flags -> (exit code, what stderr says)
         ("--mesh=data=4,tensor",): (2, "error: --mesh='data=4,tensor': 'tensor' is not axis=size"),
         ("--mesh=data=1", "--device-memory=80 potatoes"): (2, "error: --device-memory='80 potatoes': expected"),
-        ("--mesh=data=1", "--device-memory=1MB"): (1, ""),
+        ("--mesh=data=1", "--device-memory=1MB"): (1, "DOES NOT FIT: needs"),
+        ("--search", "--device-memory=1KB"): (1, "no mesh of up to 16384 devices fits"),
+        ("--search",): (2, "error: --search needs --device-memory"),
+        ("--phase=long",): (2, "error: --phase=long: the config's phases are general, code_long"),
+        ("--mesh=data=1", "--offload=disk"): (2, "error: flag --offload=disk: value should be one of"),
     }
     procs = {flags: subprocess.Popen(base + list(flags), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True) for flags in cases}  # in parallel: each pays jax's import
@@ -185,7 +199,7 @@ def test_cli_exit_codes():
             assert err.startswith(message) and err.count("\n") == 1, (flags, err)
             assert out == ""
         else:
-            assert err == "" and "DOES NOT FIT: needs" in out, (flags, err)
+            assert err == "" and message in out, (flags, err)
 
 
 def test_cli(capsys):
@@ -201,6 +215,54 @@ def test_cli(capsys):
                        "--device-memory=8GiB", "--config.model.moe_capacity_factor=1.25"])
     out = capsys.readouterr().out
     assert r.mesh == {**MESH_8192, "context": 1} and r.fits is False and r.cfg.moe_capacity_factor == 1.25
-    assert "DOES NOT FIT" in out and "short by" in out
+    assert "DOES NOT FIT" in out and "short by" in out and "--offload=optimizer" in out
+    r = plan_lib.main([f"--config={CONFIG}:glm45", "--mesh=data=-1,tensor=8,expert=32", "--devices=8192",
+                       "--offload=optimizer"])
+    out = capsys.readouterr().out
+    assert r.offload == "optimizer" and f"host memory: {r.host / GiB:.2f} GiB per device" in out
+    assert "optimizer: Muon momentum (fp32, host)" in out and "total (device; host state excluded)" in out
     with pytest.raises(ValueError, match="n_routed_experts"):
         plan_lib.main([f"--config={CONFIG}:glm45", "--mesh=data=4,tensor=8,expert=6"])
+
+
+# --- the layout search ---------------------------------------------------------------------------------------
+
+def test_layouts_are_every_power_of_two_mesh():
+    """8 devices as 2^3: tensor, expert, context and data take exponents summing to 3 (C(6, 3) = 20 ways); with
+    pipeline <= 2 also the 10 meshes of 4 devices beside pipeline 2."""
+    from glm46_jax.plan_search import layouts
+
+    for max_pipeline, count in ((1, 20), (2, 30)):
+        meshes = list(layouts(8, max_pipeline=max_pipeline))
+        assert len(meshes) == count == len({tuple(m.values()) for m in meshes})
+        assert all(math.prod(m.values()) == 8 and m["pipeline"] <= max_pipeline for m in meshes)
+    assert all(m["tensor"] <= 2 for m in layouts(64, max_tensor=2))
+
+
+@pytest.mark.parametrize("memory, devices, mesh", [
+    ("80GB", 2048, {"data": 32, "tensor": 8, "expert": 1, "pipeline": 1, "context": 8}),  # H100
+    ("141GB", 512, {"data": 8, "tensor": 8, "expert": 1, "pipeline": 1, "context": 8}),  # H200
+], ids=["h100", "h200"])
+def test_glm46_200k_fewest_devices(memory, devices, mesh, capsys):
+    """GLM-4.6's 200K phase (micro-batch 1, 320 rows of 202,752 tokens): the search's layout (recorded in
+    docs/long_context.md#the-200k-phase), and, enumerated here independently, no mesh of half as many devices
+    (each axis any power of two, tensor <= 8, no pipeline) that fits in 90% of the memory."""
+    r = plan_lib.main([f"--config={CONFIG}:glm46", "--phase=long_context_200k", f"--device-memory={memory}",
+                       "--search"])
+    out = capsys.readouterr().out
+    assert (r.devices, r.mesh, r.seq_len, r.global_batch, r.micro_batch) == (devices, mesh, 202752, 320, 1), out
+    budget = 0.9 * r.device_memory
+    assert r.total <= budget and f"fewest devices: {devices}" in out
+    fitting_at_half = []
+    exponents = range((devices // 2).bit_length())
+    for t, e, c in itertools.product(range(4), exponents, exponents):
+        d = devices // 2 // (2 ** (t + e + c))
+        if d * 2 ** (t + e + c) != devices // 2 or d < 1:
+            continue
+        try:
+            p = plan_lib.plan(r.cfg, {"data": d, "tensor": 2 ** t, "expert": 2 ** e, "context": 2 ** c},
+                              seq_len=202752, global_batch=320)
+        except InputError:
+            continue
+        fitting_at_half += [p.mesh] if p.total <= budget else []
+    assert fitting_at_half == []

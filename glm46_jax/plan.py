@@ -37,7 +37,7 @@ import numpy as np
 from glm46_jax import cli, errors, plan_search, run_config
 from glm46_jax.config import ModelConfig
 from glm46_jax.model.counting import ParamCounts, flops_per_token, matmul_params_per_token, param_counts
-from glm46_jax.model.paths import LAYER_STACKS, path_names
+from glm46_jax.model.paths import COMPUTE_CAST, LAYER_STACKS, path_names
 from glm46_jax.parallel import sharding
 from glm46_jax.model.activations import ActivationEstimate, activation_estimate
 from glm46_jax.training.offload import OFFLOAD
@@ -126,7 +126,8 @@ class PlanResult:
     device_memory: int | None = None
     pipeline: PipelinePlan | None = None
     offload: str = "none"  # optim.offload: "optimizer" keeps the optimizer state in host memory
-    largest_opt_leaf: int = 0  # one leaf's optimizer state: what an offloaded update holds on the device at once
+    largest_opt_leaf: int = 0  # one leaf's optimizer state (and master weights): an offloaded update's device share
+    host_params: int = 0  # the master weights, when offloaded (`params` is then the device's compute copy)
 
     @property
     def optimizer(self) -> int:
@@ -139,8 +140,8 @@ class PlanResult:
 
     @property
     def host(self) -> int:
-        """Host memory per device: the offloaded optimizer state."""
-        return 0 if self.offload == "none" else self.optimizer
+        """Host memory per device: the offloaded optimizer state (and master weights)."""
+        return (0 if self.offload == "none" else self.optimizer) + self.host_params
 
     @property
     def total(self) -> int:
@@ -172,6 +173,9 @@ class PlanResult:
                          "data axis for FSDP, a larger expert axis for the experts)")
         if self.offload == "none":
             hints.append(f"--offload=optimizer (the optimizer state's {self.optimizer / GiB:.2f} GiB in host memory)")
+        elif self.offload == "optimizer":
+            hints.append("--offload=optimizer_and_params (the fp32 master weights in host memory too, the device "
+                         "keeping a compute-dtype copy)")
         else:
             hints.append("more data / expert sharding (shrinks params, grads and optimizer state)")
         if self.remat != "full":
@@ -226,13 +230,18 @@ class PlanResult:
         def row(label: str, b: int):
             lines.append(f"{label:42}{b / GiB:>10.2f} GiB{b * n / GiB / 1024:>12.2f} TiB")
 
-        row(f"params ({cfg.param_dtype})", self.params)
-        row(f"grads ({cfg.param_dtype})", self.grads)
+        if self.host_params:
+            row(f"master params ({cfg.param_dtype}, host)", self.host_params)
+            row(f"params: device copy ({cfg.dtype} projections)", self.params)
+            row("grads (as the device copy)", self.grads)
+        else:
+            row(f"params ({cfg.param_dtype})", self.params)
+            row(f"grads ({cfg.param_dtype})", self.grads)
         where = "" if self.offload == "none" else ", host"
         row(f"optimizer: Muon momentum (fp32{where})", self.muon_momentum)
         row(f"optimizer: AdamW moments (2 x fp32{where})", self.adam_moments)
         if self.offload != "none":
-            row("  one leaf's state streamed in the update", self.largest_opt_leaf)
+            row("  one leaf's update streamed in", self.largest_opt_leaf)
         row("buffers (correction bias)", self.buffers)
         row("gathered weights (estimate)", self.gathered_weights)
         row(f"activations (estimate, remat={self.remat})", act.total)
@@ -302,23 +311,29 @@ def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None
     params, buffers = _abstract_model(cfg, sizes["tensor"], sizes["pipeline"])
     fsdp = {a for name in sharding.FSDP_LOGICAL for a in sharding.mesh_axes(name)}
 
-    param_bytes = muon = adam = n_muon = n_adam = unique = largest_opt = 0
+    param_bytes = device_params = muon = adam = n_muon = n_adam = unique = largest_opt = 0
+    masters_on_host = offload == "optimizer_and_params"
     layer_gathered: dict[str, int] = {}  # one layer of each stack (and the MTP layer), compute layout
     head_gathered = 0  # embedding + lm_head, live from the first layer to the MTP logits
     for path, x in jax.tree_util.tree_leaves_with_path(params):
         names = path_names(path)
         local = shard_elements(x, sizes)
-        param_bytes += local * np.dtype(x.dtype).itemsize
+        itemsize = np.dtype(x.dtype).itemsize
+        # the device's copy: the projections in the compute dtype when the masters are on the host (offload.py)
+        on_device = np.dtype(cfg.dtype).itemsize if masters_on_host and names[-1] in COMPUTE_CAST else itemsize
+        param_bytes += local * itemsize
+        device_params += local * on_device
         size = math.prod(x.shape)
         unique += size * np.dtype(x.dtype).itemsize
-        if optimizer_group(path, x.ndim, router=router_optimizer) == "muon":
+        moments = 1 if optimizer_group(path, x.ndim, router=router_optimizer) == "muon" else 2
+        if moments == 1:
             muon, n_muon = muon + local * _OPT_BYTES, n_muon + size
-            largest_opt = max(largest_opt, local * _OPT_BYTES)
         else:
             adam, n_adam = adam + 2 * local * _OPT_BYTES, n_adam + size
-            largest_opt = max(largest_opt, 2 * local * _OPT_BYTES)
+        # what one leaf's offloaded update brings to the device: its state (and its master weights)
+        largest_opt = max(largest_opt, local * (moments * _OPT_BYTES + (itemsize if masters_on_host else 0)))
         gathered = shard_elements(x, sizes, drop_axes=fsdp, skip_leading=names[0] in LAYER_STACKS)
-        gathered *= np.dtype(x.dtype).itemsize
+        gathered *= on_device
         if names[0] in ("embed_tokens", "lm_head"):
             head_gathered += gathered
         elif names[0] != "norm":
@@ -340,12 +355,13 @@ def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None
     return PlanResult(
         cfg=cfg.replace(remat=remat), mesh=sizes, devices=math.prod(sizes.values()), micro_batch=micro_batch,
         seq_len=seq_len, remat=remat,
-        global_batch=global_batch, params=param_bytes, grads=param_bytes, muon_momentum=muon, adam_moments=adam,
+        global_batch=global_batch, params=device_params, grads=device_params, muon_momentum=muon, adam_moments=adam,
         buffers=buffer_bytes, gathered_weights=gathered_weights,
         activations=activation_estimate(cfg, sizes, micro_batch, seq_len, remat),
         counts=param_counts(cfg), muon_params=n_muon, adam_params=n_adam, unique_params_bytes=unique,
         matmul_params_per_token=matmul_params_per_token(cfg), flops_per_token=flops_per_token(cfg, seq_len),
-        device_memory=device_memory, pipeline=pp, offload=offload, largest_opt_leaf=largest_opt)
+        device_memory=device_memory, pipeline=pp, offload=offload, largest_opt_leaf=largest_opt,
+        host_params=param_bytes if masters_on_host else 0)
 
 
 # --- command line ------------------------------------------------------------------------------

@@ -64,6 +64,17 @@ def test_glm45_per_device_param_bytes_match_hand_arithmetic():
     assert off.largest_opt_leaf == 4 * 89 * 160 * 12 * 128
     assert off.static == 4 * elements * 2 + 4 * 90 * 160
     assert off.total == r.total - r.optimizer + off.largest_opt_leaf
+    # --offload=optimizer_and_params (bf16 compute): the fp32 masters join the host; the device keeps the projections
+    # the model casts to bf16 (paths.COMPUTE_CAST) in bf16, everything else (embedding, router, norms, biases) in fp32, and
+    # grads alike; the streamed leaf brings its master too.
+    cast = (93 * (160 * 12 * 128 + 2 * 160 * 128 + 12 * 128 * 160)  # q/k/v/o of 3 dense + 89 MoE + 1 MTP layers
+            + 3 * 3 * 160 * 1536 + 90 * (3 * 5 * 160 * 192 + 3 * 160 * 192)  # dense FFN; routed + shared experts
+            + 10240 * 160 + 18944 * 160)  # eh_proj, lm_head
+    both = plan_lib.plan(GLM45.replace(dtype="bfloat16"), MESH_8192, micro_batch=1, seq_len=4096, remat="full",
+                         offload="optimizer_and_params")
+    assert both.params == both.grads == 2 * cast + 4 * (elements - cast)
+    assert both.host == 4 * elements + off.host and both.host_params == 4 * elements
+    assert both.largest_opt_leaf == (4 + 4) * 89 * 160 * 12 * 128
     # Unsharded counts agree with counting.py (the correction bias is a buffer, not a param).
     assert r.muon_params + r.adam_params == param_counts(GLM45).model_total - 90 * 160
     assert r.counts.report_total == 351_245_936_544 + 3_988_069_792  # trunk + MTP: "355.23B"

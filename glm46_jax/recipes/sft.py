@@ -27,7 +27,7 @@ import jax
 from absl import logging
 
 from glm46_jax.data import iterator_state, loader, sft_loader
-from glm46_jax.errors import check_at_least, check_choice, check_range
+from glm46_jax.errors import InputError, check_at_least, check_choice, check_range
 from glm46_jax.recipes.base import LanguageModeling, warn_random_start
 from glm46_jax.run_config import RunConfig
 from glm46_jax.recipes import models
@@ -64,9 +64,12 @@ class SFTConfig:
         return max(1, math.ceil(self.epochs * tokens / (self.global_batch * self.seq_len)))
 
     def check_run(self, cfg: RunConfig) -> None:
-        """What SFT cannot run with: nothing beyond the sections' own checks. Both methods run on every mesh the
-        model runs on; on a pipeline mesh the LoRA adapters take the MoE stack's slot layout
-        (docs/lora.md#pipeline-meshes)."""
+        """What SFT cannot run with, as one InputError. Both methods run on every mesh the model runs on; on a
+        pipeline mesh the LoRA adapters take the MoE stack's slot layout (docs/lora.md#pipeline-meshes)."""
+        if self.method == "lora" and cfg.optim.offload == "optimizer_and_params":
+            raise InputError("sft.method=lora with optim.offload=optimizer_and_params: the trained weights are the "
+                             "adapters, too small to move (the frozen base stays on the device); set "
+                             "optim.offload=optimizer or none")
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""Host offload: the optimizer state kept in host memory between steps (docs/training.md#host-offload).
+"""Host offload: the optimizer state, and optionally the master weights, in host memory between steps
+(docs/training.md#host-offload).
 
     state = offload.place(state, {"model": "optimizer"}, "model")  # after init or restore: its opt state -> host
     state, metrics = step(state, batch, controls)  # the step fetches it for the update and stores it back
@@ -10,6 +11,12 @@ lives in, so `fetch` moves the host-resident leaves to the device before the opt
 device copy is needed only for its own update, which lets the scheduler stream them instead of holding the whole
 state at once. Nothing here changes a number: the same update runs on the same values.
 
+"optimizer_and_params" also keeps the (fp32) master weights on the host. The forward and backward then run on
+`compute_copy`: the weights the model only reads cast to its compute dtype (`paths.COMPUTE_CAST`) come to the
+device in that dtype, so the device holds them and their gradients at compute precision; the update fetches the
+masters (`fetch`) and casts the gradients to their dtype. In fp32 that is the no-offload step exactly; with a bf16
+compute dtype the gradients a data-parallel reduction or a micro-batch accumulation sums are bf16 instead of fp32.
+
 The CPU backend has the same memory kinds (`pinned_host`, `unpinned_host`), so the tests run this path.
 """
 
@@ -19,8 +26,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-OFFLOAD = ("none", "optimizer")  # what `optim.offload` may name
+from glm46_jax.model.paths import COMPUTE_CAST, path_names
+
+OFFLOAD = ("none", "optimizer", "optimizer_and_params")  # what `optim.offload` may name
 HOST = "pinned_host"
 
 
@@ -30,12 +40,19 @@ def to_host(tree: Any) -> Any:
 
 
 def place(state: Any, offload: Mapping[str, str], main: str) -> Any:
-    """`state` (a training.step.TrainState whose first model is `main`) with the optimizer state of each model
-    that `offload` maps to "optimizer" in host memory, the others' where they are. Idempotent: call it after init
-    and after every restore."""
+    """`state` (a training.step.TrainState whose first model is `main`) with each model's optimizer state, and for
+    "optimizer_and_params" its trained weights, in host memory as `offload` maps its name ("none" or absent: left
+    where they are). Idempotent: call it after init and after every restore."""
     models = state.models(main)
-    return state.with_models(main, {n: m.replace(opt_state=to_host(m.opt_state)) if offload.get(n) == "optimizer"
-                                    else m for n, m in models.items()})
+
+    def placed(name, m):
+        mode = offload.get(name, "none")
+        if mode == "none":
+            return m
+        return m.replace(opt_state=to_host(m.opt_state),
+                         params=to_host(m.params) if mode == "optimizer_and_params" else m.params)
+
+    return state.with_models(main, {n: placed(n, m) for n, m in models.items()})
 
 
 def on_host(x: Any) -> bool:
@@ -46,6 +63,23 @@ def on_host(x: Any) -> bool:
 def fetch(tree: Any) -> Any:
     """Inside jit: the host-resident leaves of `tree` copied to the device, the rest as they are."""
     return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x, tree)
+
+
+def compute_copy(params: Any, dtype: Any = None) -> Any:
+    """Inside jit: the weights a forward and backward read. Host-resident ones come to the device, those named in
+    `paths.COMPUTE_CAST` in `dtype` (None: as stored); device-resident ones are returned as they are."""
+    def leaf(path, x):
+        if not on_host(x):
+            return x
+        x = jax.device_put(x, jax.memory.Space.Device)
+        cast = dtype is not None and path_names(path)[-1] in COMPUTE_CAST and jnp.issubdtype(x.dtype, jnp.floating)
+        return x.astype(dtype) if cast else x
+    return jax.tree_util.tree_map_with_path(leaf, params)
+
+
+def like_masters(grads: Any, masters: Any) -> Any:
+    """Gradients of a compute copy in their master weights' dtypes (unchanged where they already are)."""
+    return jax.tree.map(lambda g, p: g if g.dtype == p.dtype else g.astype(p.dtype), grads, masters)
 
 
 def store_like(tree: Any, like: Any) -> Any:

@@ -86,8 +86,9 @@ class OptimConfig:
     # muon_adamw: Muon on the matrices, AdamW on the rest (pre-training); adamw: AdamW on every leaf, decoupled
     # weight decay on the matrices (LoRA adapters, or full fine-tuning the way most recipes do it)
     algorithm: str = "muon_adamw"
-    # Where the optimizer state lives between steps: "none" = device memory; "optimizer" = host memory
-    # (pinned_host), streamed to the device for the update (training/offload.py, docs/training.md#host-offload)
+    # What lives in host memory (pinned_host) between steps: "none"; "optimizer": the optimizer state, streamed to
+    # the device for the update; "optimizer_and_params": the fp32 master weights too, the forward reading a
+    # compute-dtype copy (training/offload.py, docs/training.md#host-offload)
     offload: str = "none"
 
     def __post_init__(self):

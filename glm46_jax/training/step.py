@@ -133,10 +133,12 @@ def whole_models(params: Mapping[str, nnx.State], buffers: Mapping[str, nnx.Stat
 
 def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], main: str, *, accum_steps: int = 1,
               batch_stats: Callable[[Batch], dict[str, Array]] | None = None,
-              after_update: Callable | None = None, lr_schedule: Schedule | None = None) -> Callable:
+              after_update: Callable | None = None, lr_schedule: Schedule | None = None,
+              compute_dtypes: Mapping[str, Any] | None = None) -> Callable:
     """The one update step every recipe's loss plugs into: step(state, batch, controls, frozen) -> (state, metrics),
     jitted with the state donated; trace and call it inside `sharding.use_mesh(mesh)`. State leaves that arrive in
-    host memory (`offload.place`) are computed with on the device and returned to host memory.
+    host memory (`offload.place`) are computed with on the device and returned to host memory; host-resident
+    weights come to the forward as `offload.compute_copy` in the model's `compute_dtypes[name]` (absent: as stored).
 
     Gradients of `loss` w.r.t. every trained model (`txs`: each model's own optimizer; `main` is the state's first
     model) summed over `accum_steps` micro-batches (`lax.scan`; every batch array is then [A, b, ...] and the loss
@@ -148,6 +150,7 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
     """
     if accum_steps < 1:
         raise ValueError(f"accum_steps={accum_steps}: must be >= 1")
+    compute_dtypes = dict(compute_dtypes or {})
     grad_fn = jax.value_and_grad(lambda p, fz, b, mb, ctx: loss(*whole_models(p, b, fz), mb, ctx), has_aux=True)
 
     def grads_and_metrics(params, frozen, buffers, batch, ctx):
@@ -171,19 +174,21 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
 
     def step(state: TrainState, batch: Batch, ctrl: Controls, frozen: Frozen = None
              ) -> tuple[TrainState, dict[str, Any]]:
-        resident = state  # where each leaf lives between steps: host-offloaded ones go back there
-        state = offload.fetch(state)
-        models = state.models(main)
+        masters = {n: m.params for n, m in state.models(main).items()}
+        # On the device: the optimizer state, and the weights as the forward reads them (training/offload.py)
+        models = {n: ModelState(offload.compute_copy(m.params, compute_dtypes.get(n)), m.buffers,
+                                offload.fetch(m.opt_state)) for n, m in state.models(main).items()}
         params = {n: m.params for n, m in models.items()}
         buffers = {n: m.buffers for n, m in models.items()}
         ctx = {**ctrl, **(batch_stats(batch) if batch_stats is not None else {})}  # of the whole batch
         grads, metrics = grads_and_metrics(params, frozen, buffers, batch, ctx)
+        grads = {n: offload.like_masters(g, masters[n]) for n, g in grads.items()}
         # A loss spike poisons the gradient, so `apply_if_finite` skips and counts it like a NaN. A NaN/Inf
         # loss is one too: its gradient may still be finite (e.g. a non-finite term cut off by stop_gradient).
         spike = (metrics["loss"] > ctrl.get("max_loss", jnp.inf)) | ~jnp.isfinite(metrics["loss"])
         grad_norm = optax.tree.norm(grads)
         grads = jax.tree.map(lambda g: jnp.where(spike, jnp.nan, g), grads)
-        before = _finite_state(state.opt_state)
+        before = _finite_state(models[main].opt_state)
         lr_inputs = ctrl.get("lr", {})
         new, all_updates = {}, {}
         with jax.named_scope("optimizer"):  # clip, Muon/AdamW, the non-finite skip and the apply, in profiles
@@ -192,8 +197,9 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
                 # program, not constants in it (training/schedule.py).
                 extra = {"lr_inputs": lr_inputs[name]} if name in lr_inputs else {}
                 tx = optax.with_extra_args_support(txs[name])
-                updates, opt_state = tx.update(grads[name], m.opt_state, m.params, **extra)
-                new[name] = ModelState(optax.apply_updates(m.params, updates), m.buffers, opt_state)
+                master = offload.fetch(masters[name])
+                updates, opt_state = tx.update(grads[name], m.opt_state, master, **extra)
+                new[name] = ModelState(optax.apply_updates(master, updates), m.buffers, opt_state)
                 all_updates[name] = updates
         after = _finite_state(new[main].opt_state)
         applied = after.notfinite_count == 0 if after is not None else jnp.bool_(True)
@@ -215,7 +221,7 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
             applied_before = state.step - (before.total_notfinite if before is not None else 0)
             out["lr"] = jnp.asarray(lr_schedule.at(applied_before, lr_inputs.get(main)), jnp.float32)
         new_state = state.with_models(main, new).replace(step=state.step + 1)
-        return offload.store_like(new_state, resident), out
+        return offload.store_like(new_state, state), out  # host-offloaded leaves go back to host memory
 
     return jax.jit(step, donate_argnums=(0,))
 
@@ -252,7 +258,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cf
         return buffers, extra
 
     return make_step(lm_loss, {name: tx}, name, accum_steps=step_cfg.accum_steps, batch_stats=batch_norms,
-                     after_update=balance, lr_schedule=lr_schedule)
+                     after_update=balance, lr_schedule=lr_schedule, compute_dtypes={name: jnp.dtype(cfg.dtype)})
 
 
 _NORMS = ("tokens", "mtp_tokens", "sequences")  # batch_norms' keys
@@ -265,7 +271,8 @@ def make_eval_step(graphdef: nnx.GraphDef, cfg: ModelConfig, loss_cfg: LossConfi
     `frozen` as in `make_train_step`."""
 
     def evaluate(state: TrainState, batch: Batch, ctrl: Controls, frozen: Frozen = None) -> dict[str, Array]:
-        params, buffers = whole_models({name: state.params}, {name: state.buffers}, frozen)
+        weights = offload.compute_copy(state.params, jnp.dtype(cfg.dtype))  # host-resident masters: their copy
+        params, buffers = whole_models({name: weights}, {name: state.buffers}, frozen)
         metrics = loss_fn(params[name], buffers[name], batch, graphdef, cfg, loss_cfg, ctrl["mtp_weight"])[1]
         out = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
         return {**out, "ppl": jnp.exp(metrics["ce"])}

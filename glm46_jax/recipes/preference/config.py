@@ -57,6 +57,10 @@ class PreferenceConfig:
     def check_run(self, cfg: Any) -> None:
         """What the reward and DPO recipes cannot run with (`cfg`: the RunConfig), as one InputError."""
         stages, context = cfg.mesh.sizes().get("pipeline", 1), cfg.mesh.sizes().get("context", 1)
+        if cfg.optim.offload == "optimizer_and_params":
+            raise InputError(f"optim.offload=optimizer_and_params with recipe {cfg.recipe}: only the language-model "
+                             "step (pretrain, mid-training, SFT) reads the weights through their device copy; "
+                             "set optim.offload=optimizer (the optimizer state alone)")
         if context > 1:
             raise InputError(f"mesh.context={context} with recipe {cfg.recipe}: a preference batch reads each reply's "
                              "last position per row, which the context layout splits; set mesh.context=1")

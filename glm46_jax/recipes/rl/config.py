@@ -107,6 +107,10 @@ class RLConfig:
             raise InputError(f"mesh.pipeline={stages} with recipe {cfg.recipe}: RL samples with the KV-cache generator "
                              "and replays routing, which run the layers in order, not in pipeline stages; set "
                              "mesh.pipeline=1 (give the devices to mesh.data or mesh.expert)")
+        if cfg.optim.offload == "optimizer_and_params":
+            raise InputError(f"optim.offload=optimizer_and_params with recipe {cfg.recipe}: only the language-model "
+                             "step (pretrain, mid-training, SFT) reads the weights through their device copy; "
+                             "rollouts read them too: set optim.offload=optimizer (the optimizer state alone)")
         if context > 1:
             raise InputError(f"mesh.context={context} with recipe {cfg.recipe}: RL samples with the KV-cache "
                              "generator, which keeps each sequence whole on a device; set mesh.context=1 (give the "

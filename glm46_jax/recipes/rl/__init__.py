@@ -7,6 +7,8 @@
     rollout       G samples per prompt from glm46_jax.infer.generate (log-probs, recorded routing) -> training rows
     rewards       reward callables by name: exact numeric answer, think/answer format, code unit tests
     sandbox       the subprocess the code reward runs programs in (time, memory, no network, own directory)
+    environments  tool environments for agentic RL: GLM's tool-call markup parsed, a registry, calculator, python,
+                  lookup (multi-turn rollouts over them are not built yet)
     curriculum    the prompt pool: difficulty buckets by measured pass rate, moving to harder ones
     reward_model  a trained reward model as a reward: rollouts scored on the run's mesh
     labellers     who says which of two completions is better: a checker, a file of labels, a function

@@ -6,13 +6,15 @@ without a traceback. `InputError` subclasses ValueError, so callers that catch V
 
     raise InputError("train.eval_every=-1: must be >= 0 (0 = no periodic eval)")   # anywhere below a CLI
     check_range("train", cfg, "eval_every", ge=0)                                   # the same, from a dataclass
+    for where, obj in json_lines(path, "prompts file"): ...                         # a JSONL file, line by line
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 
@@ -80,3 +82,29 @@ def check_choice(section: str, obj: Any, field: str, allowed: tuple[Any, ...], w
     value = getattr(obj, field)
     check_field(section, field, value, value in allowed, f"must be one of {allowed}" + (f" ({why})" if why else ""),
                 f"set --config.{section}.{field} to one of them")
+
+
+def json_lines(path: str, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """("path:line", object) for each non-blank line of a file of JSON objects, one per line. InputError naming
+    `what` and the path when the file does not open, and path:line for a line that is not UTF-8, not JSON or not an
+    object; what an object must hold is the caller's to check (naming the same path:line)."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed by the `with f` below; only the open is the user's mistake
+    except OSError as e:
+        raise InputError(f"{what} {path}: {e.strerror}") from None
+    with f:
+        for n, raw in enumerate(f, 1):
+            where = f"{path}:{n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{where}: not a JSON line ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            yield where, obj

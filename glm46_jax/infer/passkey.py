@@ -30,7 +30,7 @@ from jaxtyping import Array, Int
 
 from glm46_jax.config import ModelConfig
 from glm46_jax.data import loader
-from glm46_jax.errors import InputError
+from glm46_jax.errors import InputError, json_lines
 from glm46_jax.infer.load import load_model
 from glm46_jax.model import abstract_model, apply
 from glm46_jax.parallel import sharding
@@ -56,15 +56,8 @@ def _ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
 
 
-def parse_case(line: str, where: str) -> Case:
-    """One JSON line of a cases file; InputError naming `where` (file:line) and what is wrong."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise InputError(f"{where}: not a JSON line ({err.msg}); expected a case written by `python -m data_prep "
-                         "passkey`") from err
-    if not isinstance(row, dict):
-        raise InputError(f"{where}: expected a JSON object (a case), got {type(row).__name__}")
+def parse_case(row: dict[str, Any], where: str) -> Case:
+    """One case (a line of a cases file, as an object); InputError naming `where` (file:line) and what is wrong."""
     missing = [k for k in ("length", "depth", "prompt", "answer") if k not in row]
     if missing:
         raise InputError(f"{where}: the case has no {', '.join(missing)}")
@@ -79,19 +72,11 @@ def parse_case(line: str, where: str) -> Case:
 
 
 def read_cases(path: str) -> list[Case]:
-    """Every case of a cases file (JSON lines; blank lines skipped); InputError on the first bad line."""
+    """Every case of a cases file (JSON lines, written by `python -m data_prep passkey`; blank lines skipped);
+    InputError on the first bad line."""
     if not os.path.isfile(path):
         raise InputError(f"--passkey {path}: no such file; write one with `python -m data_prep passkey`")
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
-    cases = []
-    for n, raw in enumerate(lines, 1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise InputError(f"{path}:{n}: not UTF-8 text ({err.reason} at byte {err.start})") from err
-        if line.strip():
-            cases.append(parse_case(line, f"{path}:{n}"))
+    cases = [parse_case(row, where) for where, row in json_lines(path, "--passkey")]
     if not cases:
         raise InputError(f"--passkey {path}: no cases in the file")
     return cases

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any, Protocol
 
-from glm46_jax.errors import InputError
+from glm46_jax.errors import InputError, json_lines
 from glm46_jax.recipes.rl import rewards, sandbox
 
 MAX_OBSERVATION = 2000  # characters of a tool's answer the model sees; the rest is cut, saying so
@@ -194,22 +193,12 @@ def python_tool(timeout_s: float = 5.0, memory_mb: int = 256) -> Tool:
 def read_store(path: str) -> dict[str, dict[str, str]]:
     """A document store (one {"id", "title", "text"} object per line) by id; InputError naming the line at fault."""
     docs = {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    doc = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{path}:{n}: not JSON ({e.msg})") from None
-                if not isinstance(doc, dict) or not all(isinstance(doc.get(k), str) for k in ("id", "title", "text")):
-                    raise InputError(f"{path}:{n}: a document needs string \"id\", \"title\" and \"text\"")
-                if doc["id"] in docs:
-                    raise InputError(f"{path}:{n}: id {doc['id']!r} is already used on an earlier line")
-                docs[doc["id"]] = doc
-    except OSError as e:
-        raise InputError(f"document store {path}: {e.strerror}") from None
+    for where, doc in json_lines(path, "document store"):
+        if not all(isinstance(doc.get(k), str) for k in ("id", "title", "text")):
+            raise InputError(f"{where}: a document needs string \"id\", \"title\" and \"text\"")
+        if doc["id"] in docs:
+            raise InputError(f"{where}: id {doc['id']!r} is already used on an earlier line")
+        docs[doc["id"]] = doc
     return docs
 
 

@@ -7,14 +7,13 @@ the rewards (docs/rl.md#prompt-files).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tokenizers import Tokenizer
 
-from glm46_jax.errors import InputError
+from glm46_jax.errors import InputError, json_lines
 from glm46_jax.interop import chat
 from glm46_jax.interop.reward import check_reward_dir
 from glm46_jax.recipes.rl.config import RLConfig
@@ -30,17 +29,10 @@ def read_prompts(path: str) -> list[dict[str, Any]]:
         raise InputError(f"{path}: no such prompts file (set --config.rl.prompts / --config.rl.heldout; "
                          "`python -m data_prep.rl_tasks` writes the demo's)")
     items = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{number}: not JSON ({e})") from e
-            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
-                raise InputError(f"{path}:{number}: expected an object with a string 'prompt'")
-            items.append(item)
+    for where, item in json_lines(path, "prompts file"):
+        if not isinstance(item.get("prompt"), str):
+            raise InputError(f"{where}: expected an object with a string 'prompt'")
+        items.append(item)
     if not items:
         raise InputError(f"{path}: no prompts")
     return items

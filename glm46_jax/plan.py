@@ -125,7 +125,7 @@ class PlanResult:
     flops_per_token: int
     device_memory: int | None = None
     pipeline: PipelinePlan | None = None
-    offload: str = "none"  # optim.offload: "optimizer" keeps the optimizer state in host memory
+    offload: str = "none"  # optim.offload (training/offload.py): what lives in host memory between steps
     largest_opt_leaf: int = 0  # one leaf's optimizer state (and master weights): an offloaded update's device share
     host_params: int = 0  # the master weights, when offloaded (`params` is then the device's compute copy)
 
@@ -410,7 +410,8 @@ def _flags(argv: list[str]):
         "router_optimizer": flags.DEFINE_enum(
             "router-optimizer", "adam", ["adam", "muon"], "Optimizer group of the router weights.", flag_values=fv),
         "offload": flags.DEFINE_enum(
-            "offload", None, list(OFFLOAD), "Optimizer state in host memory (default: the config's optim.offload).",
+            "offload", None, list(OFFLOAD), "What lives in host memory between steps (default: the config's "
+            "optim.offload).",
             flag_values=fv),
         "phase": flags.DEFINE_string(
             "phase", None, "Curriculum phase whose seq_len and global batch to plan (default: the first).",

@@ -4,9 +4,9 @@
         --search
 
 N runs over powers of two (8, 16, 32, ... up to `max_devices`), each mesh axis a power of two as well; the
-first N where some layout fits in (1 - margin) of the device's memory wins. Layouts the model or the batch cannot be laid out on (`plan` raises
-InputError: heads, experts or the batch not divisible, a sequence that does not split over `context`, a pipeline
-schedule the batch cannot stream) are skipped. `tensor` stays within `max_tensor` devices (8: one NVLink node)
+first N where some layout fits in (1 - margin) of the device's memory wins. Layouts the model or the batch cannot
+be laid out on (`plan` raises InputError: heads, experts or the batch not divisible, a sequence that does not
+split over `context`, a pipeline schedule the batch cannot stream) are skipped. `tensor` stays within `max_tensor` devices (8: one NVLink node)
 and `pipeline` within `max_pipeline` (1 by default: at micro-batch 1 the schedule's bubble is nearly half).
 
 Among the layouts that fit on those N devices the one picked has the fewest pipeline stages, then the fewest
@@ -47,23 +47,19 @@ def smallest_fitting(plan_at: Callable[[Mapping[str, int]], Any], device_memory:
     per device, on the fewest devices; None when nothing up to `max_devices` fits.
 
     `plan_at(mesh)` is the plan of one mesh (`plan.plan` with the model and batch bound): a result with `total`
-    (bytes per device), `mesh` and `unique_params_bytes`, or an InputError for a mesh the model or batch cannot
+    (bytes per device) and `mesh`, or an InputError for a mesh the model or batch cannot
     be laid out on. The margin is XLA's: workspace, fragmentation and collective buffers the plan leaves out."""
     if device_memory <= 0 or not 0 <= margin < 1:
         raise errors.InputError(f"device memory {device_memory} and margin {margin}: the search needs a positive "
                                 "--device-memory and 0 <= --margin < 1")
     budget = (1 - margin) * device_memory
-    floor = None  # bytes that no layout of N devices holds in less than floor / N per device
     for devices in _powers(max_devices)[3:]:
-        if floor is not None and floor / devices > budget:
-            continue
         fitting = []
         for mesh in layouts(devices, max_tensor=max_tensor, max_pipeline=max_pipeline):
             try:
                 r = plan_at(mesh)
             except errors.InputError:
                 continue
-            floor = 2 * r.unique_params_bytes  # no device holds less than 1/N of the params and of the grads
             if r.total <= budget:
                 fitting.append(r)
         if fitting:

@@ -6,7 +6,7 @@
     loss         cross-entropy, MTP, the sequence-balance aux loss, z-loss
     optim        clip -> Muon for hidden matrices, AdamW for the rest, under an lr schedule
     muon         Muon's update (Newton-Schulz orthogonalisation)
-    offload      the optimizer state in host memory between steps (optim.offload)
+    offload      the optimizer state (and master weights) in host memory between steps (optim.offload)
     balancing    loss-free load balancing and load statistics
     checkpoint   Orbax checkpoints: save, resume, start from another run's weights
 

@@ -13,8 +13,8 @@ state at once. Nothing here changes a number: the same update runs on the same v
 
 "optimizer_and_params" also keeps the (fp32) master weights on the host. The forward and backward then run on
 `compute_copy`: the weights the model only reads cast to its compute dtype (`paths.COMPUTE_CAST`) come to the
-device in that dtype, so the device holds them and their gradients at compute precision; the update fetches the
-masters (`fetch`) and casts the gradients to their dtype. In fp32 that is the no-offload step exactly; with a bf16
+device in that dtype, so the device holds them and their gradients at compute precision; the update fetches those
+masters again (`masters`; the other leaves' copies are their masters) and casts the gradients to their dtype. In fp32 that is the no-offload step exactly; with a bf16
 compute dtype the gradients a data-parallel reduction or a micro-batch accumulation sums are bf16 instead of fp32.
 
 The CPU backend has the same memory kinds (`pinned_host`, `unpinned_host`), so the tests run this path.
@@ -42,7 +42,8 @@ def to_host(tree: Any) -> Any:
 def place(state: Any, offload: Mapping[str, str], main: str) -> Any:
     """`state` (a training.step.TrainState whose first model is `main`) with each model's optimizer state, and for
     "optimizer_and_params" its trained weights, in host memory as `offload` maps its name ("none" or absent: left
-    where they are). Idempotent: call it after init and after every restore."""
+    where they are). `models.build` calls it after init; a restore puts each leaf back in the memory its target's
+    leaf lives in (training/checkpoint.py)."""
     models = state.models(main)
 
     def placed(name, m):
@@ -75,6 +76,13 @@ def compute_copy(params: Any, dtype: Any = None) -> Any:
         cast = dtype is not None and path_names(path)[-1] in COMPUTE_CAST and jnp.issubdtype(x.dtype, jnp.floating)
         return x.astype(dtype) if cast else x
     return jax.tree_util.tree_map_with_path(leaf, params)
+
+
+def masters(copy: Any, stored: Any) -> Any:
+    """Inside jit: the master weights the update reads: a leaf of the compute copy where it is the stored value
+    itself (on the device, or fetched without a cast), else the stored leaf fetched again."""
+    return jax.tree.map(lambda c, p: c if c.dtype == p.dtype else jax.device_put(p, jax.memory.Space.Device),
+                        copy, stored)
 
 
 def like_masters(grads: Any, masters: Any) -> Any:

@@ -174,7 +174,7 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
 
     def step(state: TrainState, batch: Batch, ctrl: Controls, frozen: Frozen = None
              ) -> tuple[TrainState, dict[str, Any]]:
-        masters = {n: m.params for n, m in state.models(main).items()}
+        stored = {n: m.params for n, m in state.models(main).items()}  # the masters, where they live between steps
         # On the device: the optimizer state, and the weights as the forward reads them (training/offload.py)
         models = {n: ModelState(offload.compute_copy(m.params, compute_dtypes.get(n)), m.buffers,
                                 offload.fetch(m.opt_state)) for n, m in state.models(main).items()}
@@ -182,7 +182,7 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
         buffers = {n: m.buffers for n, m in models.items()}
         ctx = {**ctrl, **(batch_stats(batch) if batch_stats is not None else {})}  # of the whole batch
         grads, metrics = grads_and_metrics(params, frozen, buffers, batch, ctx)
-        grads = {n: offload.like_masters(g, masters[n]) for n, g in grads.items()}
+        grads = {n: offload.like_masters(g, stored[n]) for n, g in grads.items()}
         # A loss spike poisons the gradient, so `apply_if_finite` skips and counts it like a NaN. A NaN/Inf
         # loss is one too: its gradient may still be finite (e.g. a non-finite term cut off by stop_gradient).
         spike = (metrics["loss"] > ctrl.get("max_loss", jnp.inf)) | ~jnp.isfinite(metrics["loss"])
@@ -197,7 +197,7 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
                 # program, not constants in it (training/schedule.py).
                 extra = {"lr_inputs": lr_inputs[name]} if name in lr_inputs else {}
                 tx = optax.with_extra_args_support(txs[name])
-                master = offload.fetch(masters[name])
+                master = offload.masters(m.params, stored[name])
                 updates, opt_state = tx.update(grads[name], m.opt_state, master, **extra)
                 new[name] = ModelState(optax.apply_updates(master, updates), m.buffers, opt_state)
                 all_updates[name] = updates

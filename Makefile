@@ -47,7 +47,7 @@ TEST_WORKERS ?= 2
 HF_PKGS     ?= torch==2.13.0 transformers==5.23.0 safetensors numpy trl==1.16.0
 HF_PIP_ARGS ?=
 
-.PHONY: venv test test-jax-min test-serving serving-venv train sft rl dpo rlhf data fixtures clean
+.PHONY: venv test test-jax-min test-serving serving-venv train sft rl agent dpo rlhf data fixtures clean
 
 venv: $(VENV)/.installed
 
@@ -180,6 +180,29 @@ rl: runs/sft_rl_addition/status.json
 	  r["end"]["accuracy"], r["problems"]; se = lambda p: (p * (1 - p) / n) ** 0.5; \
 	  print(f"held-out exact-match accuracy on {n} problems (greedy): {a:.3f} +- {se(a):.3f} before GRPO -> " \
 	        f"{b:.3f} +- {se(b):.3f} after ({b - a:+.3f})")'
+
+# The agentic RL demo (docs/rl.md#agentic-rl): the tool-only task (offline, seconds), SFT from random weights on its
+# tool-use traces, then agentic GRPO with the calculator tool, and the same GRPO with every tool call refused.
+AGENT_DATA := data/agent_calc
+
+$(AGENT_DATA)/sft/metadata.json: | $(VENV)/.installed
+	$(PY) -m data_prep.agent_tasks --out $(AGENT_DATA)
+	$(PY) -m data_prep sft --input $(AGENT_DATA)/sft_chats.jsonl --tokenizer $(AGENT_DATA)/tokenizer.json \
+	  --out $(AGENT_DATA)/sft --heldout-fraction 0.05 --max-len 96
+
+runs/sft_agent_calc/status.json: | $(AGENT_DATA)/sft/metadata.json
+	$(PY) -m glm46_jax.train --config=configs/sft.py:agent_calc
+
+agent: runs/sft_agent_calc/status.json
+	$(PY) -m glm46_jax.train --config=configs/grpo.py:agent $(ARGS)
+	$(PY) -m glm46_jax.train --config=configs/grpo.py:agent --config.rl.environment=none \
+	  --config.run_dir=runs/grpo_agent_no_tools $(ARGS)
+	@$(PY) -c 'import json; se = lambda p, n: (p * (1 - p) / n) ** 0.5; \
+	  line = lambda how, a, b, n: f"held-out success on {n} problems (greedy), {how}: {a:.3f} +- {se(a, n):.3f} " \
+	    f"before agentic GRPO -> {b:.3f} +- {se(b, n):.3f} after ({b - a:+.3f})"; \
+	  runs = (("with the calculator", "runs/grpo_agent"), ("without tools", "runs/grpo_agent_no_tools")); \
+	  rs = [(how, json.load(open(run + "/heldout.json"))) for how, run in runs]; \
+	  [print(line(how, r["start_accuracy"], r["end"]["accuracy"], r["problems"])) for how, r in rs]'
 
 # Preference demos. make dpo: LoRA DPO of make sft's chat model on the sample pairs (addition answers; replies that
 # end vs. ramble); make rlhf: a reward model on the SFT policy's own labelled pairs, then PPO against it (after the RL

@@ -1,4 +1,4 @@
-"""GRPO configs (reinforcement learning with verifiable rewards): `get_config("<preset>")` for tiny | glm46.
+"""GRPO configs (reinforcement learning with verifiable rewards): `get_config("<preset>")` for tiny | agent | glm46.
 
     make rl                                                   # tiny: the CPU demo (SFT on addition, then GRPO)
     python -m glm46_jax.train --config=configs/grpo.py:tiny --config.rl.group_size=16 --config.train.seed=1
@@ -34,6 +34,18 @@ _PRESETS = {
                 max_new_tokens=6, eval_batch=250, curriculum_buckets=1),
         train=dict(log_every=10, eval_every=100, eval_batches=2),
         checkpoint=dict(every=100, keep=2),
+        optim=dict(lr=1e-4, end_lr=1e-4, warmup_steps=0, algorithm="adamw", weight_decay=0.0, clip=1.0),
+    ),
+    # make agent (docs/rl.md#agentic-rl): after `configs/sft.py:agent_calc`, episodes with the calculator tool on
+    # 4-digit x 2-digit products; a turn reads up to 72 tokens and writes up to 40 (prompt 16 + call 37 + tool turn 15).
+    "agent": dict(
+        base="tiny", init_from="runs/sft_agent_calc",
+        rl=dict(prompts="data/agent_calc/prompts_train.jsonl", heldout="data/agent_calc/prompts_heldout.jsonl",
+                environment="calculator", list_tools=False, max_turns=3, group_size=8, prompts_per_step=8,
+                minibatches=2, rollouts=40, max_prompt_len=72, max_new_tokens=40, eval_batch=200,
+                curriculum_buckets=1),
+        train=dict(log_every=10, eval_every=0, eval_batches=1),
+        checkpoint=dict(every=20, keep=2),
         optim=dict(lr=1e-4, end_lr=1e-4, warmup_steps=0, algorithm="adamw", weight_decay=0.0, clip=1.0),
     ),
     "glm46": dict(

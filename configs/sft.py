@@ -1,4 +1,5 @@
-"""Supervised fine-tuning configs: `get_config("<preset>")` for tiny | tiny_full | serve | glm46.
+"""Supervised fine-tuning configs: `get_config("<preset>")` for tiny | tiny_full | serve | glm46 | rl_addition |
+agent_calc.
 
     make train && make sft                                   # tiny: LoRA on make train's run, the sample chats
     python -m glm46_jax.train --config=configs/sft.py:tiny --config.lora.rank=32 --config.lora.alpha=64
@@ -52,6 +53,17 @@ _PRESETS["rl_addition"] = dict(
     base="tiny", init_from="", method="full", root="data/rl_addition/sft",
     sft=dict(seq_len=64, global_batch=16, epochs=1.0),
     train=dict(steps=200, log_every=25, eval_every=0, eval_batches=2),
+    checkpoint=dict(every=1000, keep=1),
+    optim=dict(lr=3e-3, end_lr=3e-4, warmup_steps=20, algorithm="adamw", weight_decay=0.0),
+    lora=None,
+)
+# The agentic RL demo's first stage (make agent, docs/rl.md#agentic-rl): the tiny model, from random weights, taught
+# the calculator tool by 400 traces of `python -m data_prep.agent_tasks` (the call, then the answer copied from the
+# tool's reply), only partly, so that agentic GRPO has success to add.
+_PRESETS["agent_calc"] = dict(
+    base="tiny", init_from="", method="full", root="data/agent_calc/sft",
+    sft=dict(seq_len=96, global_batch=16, epochs=1.0),
+    train=dict(steps=300, log_every=25, eval_every=0, eval_batches=2),
     checkpoint=dict(every=1000, keep=1),
     optim=dict(lr=3e-3, end_lr=3e-4, warmup_steps=20, algorithm="adamw", weight_decay=0.0),
     lora=None,

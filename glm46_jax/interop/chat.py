@@ -5,6 +5,7 @@
     ids = chat.encode_prompt(tok, messages, template=chat.load_template(hf_dir))   # an HF dir's own template
     sft = chat.encode(tok, messages, close_final_turn=True)          # sft.ids, sft.assistant_mask
     stops = chat.stop_token_ids(tok)                                  # <|endoftext|>, <|user|>, <|observation|>
+    more = chat.encode_tool_turn(tok, ["42"], enable_thinking=False)  # after <|observation|>: result, next turn
 
 The built-in renderer is plain Python and renders what the released GLM-4.5/4.6 Jinja template renders
 (tests/test_chat.py compares token ids with transformers' `apply_chat_template` on that template).
@@ -257,6 +258,16 @@ def render(messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str
     return "".join(s for s, _ in _segments(messages, tools, add_generation_prompt, enable_thinking))
 
 
+def tool_turn(results: Sequence[str], *, enable_thinking: bool = True) -> str:
+    """What follows the <|observation|> a model ends a tool-calling turn with: the tools' results, then the next
+    assistant turn's opening, exactly as `render` writes them in a whole conversation (an agentic rollout appends
+    it to the tokens the model generated; docs/rl.md#agentic-rl)."""
+    messages = [{"role": "assistant", "content": ""}, *({"role": "tool", "content": r} for r in results)]
+    segments = _segments(messages, None, True, enable_thinking)
+    first = next(i for i, (s, _) in enumerate(segments) if s == OBSERVATION)
+    return "".join(s for s, _ in segments[first + 1:])
+
+
 # ---------------------------------------------------------------------------------------------- Jinja templates
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -411,6 +422,15 @@ def encode_prompt(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *
     """int32 token ids of `render_chat(...)` (an HF dir's template if given), ready to generate from."""
     text = render_chat(messages, template=template, tools=tools, add_generation_prompt=add_generation_prompt,
                        enable_thinking=enable_thinking)
+    tok = _chat_tokenizer(tokenizer)
+    _check_chat_tokens(tok, text)
+    return np.asarray(tok.encode(text, add_special_tokens=False).ids, np.int32)
+
+
+def encode_tool_turn(tokenizer: Tokenizer, results: Sequence[str], *, enable_thinking: bool = True
+                     ) -> Int[np.ndarray, " seq"]:
+    """int32 token ids of `tool_turn(results)`: what an agentic rollout appends after the model's <|observation|>."""
+    text = tool_turn(results, enable_thinking=enable_thinking)
     tok = _chat_tokenizer(tokenizer)
     _check_chat_tokens(tok, text)
     return np.asarray(tok.encode(text, add_special_tokens=False).ids, np.int32)

@@ -40,16 +40,19 @@ from glm46_jax.errors import InputError
 from glm46_jax.parallel import sharding
 from glm46_jax.recipes import models
 from glm46_jax.recipes.base import RecipeBase
-from glm46_jax.recipes.rl import labellers
+from glm46_jax.recipes.rl import labellers, objective
+from glm46_jax.recipes.rl.ahead import RolloutsAhead
 from glm46_jax.recipes.rl.check import RewardCheck
 from glm46_jax.recipes.rl.config import RLConfig
 from glm46_jax.recipes.rl.curriculum import CurriculumConfig, PromptPool
+from glm46_jax.recipes.rl.environments import Environment
+from glm46_jax.recipes.rl.episodes import ENDINGS, Episode, run_episodes
 from glm46_jax.recipes.rl.logprobs import reference_logprobs
 from glm46_jax.recipes.rl.policy_pairs import completion_texts
 from glm46_jax.recipes.rl.prompts import tokenizer_path
 from glm46_jax.recipes.rl.reward_model import EnsembleScorer, ModelScorer
 from glm46_jax.recipes.rl.rewards import Rewards
-from glm46_jax.recipes.rl.rollout import Rollout, Sampling, sample_groups, training_rows
+from glm46_jax.recipes.rl.rollout import Rollout, Sampling, Trajectory, sample_groups, trajectory, trajectory_rows
 from glm46_jax.run_config import RunConfig
 from glm46_jax.training.step import TrainState, with_frozen
 from glm46_jax.training.trainer import Segment, StepInput
@@ -59,6 +62,38 @@ from glm46_jax.training.trainer import Segment, StepInput
 class RolloutSegment(Segment):
     """The run's one segment, with the latest rollout's metrics (`stats`), logged with the steps trained on it."""
     stats: tuple[tuple[str, float], ...] = dataclasses.field(default=(), compare=False)
+
+
+@dataclasses.dataclass
+class Round:
+    """One sampling call, scored: row i is sample i % G of prompt i // G."""
+    trajectories: list[Trajectory]
+    total: np.ndarray  # [n] the weighted reward
+    parts: dict[str, np.ndarray]  # [n] each reward by name
+    new_tokens: np.ndarray  # [n] the tokens the model wrote
+    seconds: float  # wall time of the sampling (device work included)
+    episodes: list[Episode] | None = None  # rl.environment: the episodes the rows are
+
+
+@dataclasses.dataclass
+class SampledRollout:
+    """A rollout's kept rows as sampled and scored, and their statistics."""
+    trajectories: list[Trajectory]
+    rewards: np.ndarray  # [rows]
+    stats: tuple[tuple[str, float], ...]
+    version: int  # rollouts the sampling policy had been trained on
+    pool_after: dict[str, Any] | None  # the prompt pool's state after its draws (rollouts sampled ahead)
+
+
+def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Means over episodes: model turns, tool calls, the share of tool answers that were errors, and how the
+    episodes ended."""
+    calls = sum(e.tool_calls for e in episodes)
+    stats = {"turns": float(np.mean([e.turns for e in episodes])),
+             "tool_calls": calls / len(episodes),
+             "tool_error_frac": sum(e.tool_errors for e in episodes) / max(calls, 1)}
+    stats.update({f"ended_{how}": float(np.mean([e.ended == how for e in episodes])) for how in ENDINGS})
+    return stats
 
 
 def device_batch(batch: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
@@ -85,6 +120,7 @@ class RLRecipe(RecipeBase):
     rewards: Rewards
     stop_tokens: tuple[int, ...]
     heldout_rewards: Rewards | None = None  # held-out accuracy's; None = `rewards`
+    environment: Environment | None = None  # rl.environment: episodes with tools instead of single completions
     scorer: ModelScorer | EnsembleScorer | None = None  # the reward model(s), when `rewards` names it
     pool: PromptPool | None = None
     pending: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
@@ -93,6 +129,8 @@ class RLRecipe(RecipeBase):
     tokens_seen: int = 0
     start_accuracy: float | None = None
     check: RewardCheck | None = None  # rl.labeller: the reward model's check at every evaluation
+    ahead: RolloutsAhead | None = None  # rl.rollouts_ahead > 0: the rollout worker
+    pool_snapshot: dict[str, Any] | None = None  # rl.rollouts_ahead > 0: the pool after the last rollout taken
 
     # --- the seams: what each recipe brings ----------------------------------------------------
 
@@ -172,8 +210,10 @@ class RLRecipe(RecipeBase):
                                            seed=self.cfg.train.seed)
 
     def data_state(self) -> dict[str, Any]:
-        """What a checkpoint holds of where the run is (JSON-able): the pool, the rollout count, the tokens seen."""
-        return {"pool": self.pool.state(), "rollouts": self.rollouts_done, "tokens_seen": self.tokens_seen,
+        """What a checkpoint holds of where the run is (JSON-able): the pool (as the last rollout taken for training
+        left it: a resumed run samples the rollouts that were in flight again), the rollout count, the tokens seen."""
+        pool = self.pool_snapshot if self.pool_snapshot is not None else self.pool.state()
+        return {"pool": pool, "rollouts": self.rollouts_done, "tokens_seen": self.tokens_seen,
                 "pending": len(self.pending)}
 
     def restore_data_state(self, data_state: Mapping[str, Any]) -> None:
@@ -249,6 +289,9 @@ class RLRecipe(RecipeBase):
 
     def close(self) -> None:
         self.pending = []
+        if self.ahead is not None:
+            self.ahead.close()
+            self.ahead = None
 
     # --- rollouts --------------------------------------------------------------------------
 
@@ -262,48 +305,64 @@ class RLRecipe(RecipeBase):
         model_scores = self.scorer(rollout) if rewards.uses_model else None
         return rewards.score(self.completions(rollout), items, model_scores)
 
-    def next_rollout(self, state: TrainState) -> None:
-        """Samples and scores the next rollout with the policy in `state`, and queues its minibatches."""
+    def sample_round(self, params: nnx.State, buffers: nnx.State, ids: Sequence[int], group_size: int,
+                     sampling: Sampling, seed: int, heldout: bool = False) -> Round:
+        """`group_size` samples (completions, or with rl.environment whole episodes) of prompts `ids` of the
+        training (or held-out) prompts in one batch, scored."""
+        prompts, items = (self.heldout_ids, self.heldout_items) if heldout else (self.prompt_ids, self.items)
+        rows = [i for i in ids for _ in range(group_size)]
+        row_items = [items[i] for i in rows]
+        if self.environment is None:
+            with sharding.use_mesh(self.mesh):
+                rollout = sample_groups(self.main.graphdef, params, buffers, [prompts[i] for i in ids], group_size,
+                                        sampling, seed)
+            total, parts = self.score(rollout, row_items, self.heldout_rewards if heldout else None)
+            return Round([trajectory(rollout, r) for r in range(len(rows))], total, parts, rollout.lengths,
+                         rollout.seconds)
+        with sharding.use_mesh(self.mesh):
+            episodes, seconds = run_episodes(self.main.graphdef, params, buffers, self.environment, self.tok,
+                                             row_items, [prompts[i] for i in rows], sampling,
+                                             max_turns=self.rl.max_turns, max_len=self.seq_len, seed=seed)
+        total = np.asarray([e.reward for e in episodes], np.float32)
+        return Round([e.trajectory for e in episodes], total, {"environment": total},
+                     np.asarray([e.trajectory.new_tokens for e in episodes]), seconds, episodes)
+
+    def sample_rollout(self, index: int, params: nnx.State, buffers: nnx.State, version: int) -> SampledRollout:
+        """Rollout `index` sampled with `params` (the policy after `version` rollouts) and scored: prompts drawn
+        from the pool (refilled with dynamic sampling), their pass rates recorded. The pool is the only recipe state
+        it touches, so the rollout worker may run it ahead of training (rl/ahead.py)."""
         rl, g = self.rl, self.rl.group_size
-        params = self.whole_params(state.params)
         sampling = self.sampling(rl.temperature)
         groups, sampled, seconds, new_tokens = [], [], 0.0, 0
         rounds = 1 + (rl.max_refill_rounds if self.dynamic_sampling else 0)
         t0 = time.perf_counter()
         for round_index in range(rounds):
             ids = self.pool.draw(rl.prompts_per_step)
-            seed = (self.cfg.train.seed * 1_000_003 + self.rollouts_done) * 101 + round_index
-            with sharding.use_mesh(self.mesh):
-                rollout = sample_groups(self.main.graphdef, params, state.buffers, [self.prompt_ids[i] for i in ids],
-                                        g, sampling, seed)
-            seconds += rollout.seconds
-            new_tokens += int(rollout.lengths.sum())
-            items = [self.items[i] for i in ids for _ in range(g)]
-            total, parts = self.score(rollout, items)
+            seed = (self.cfg.train.seed * 1_000_003 + index) * 101 + round_index
+            sampled_round = self.sample_round(params, buffers, ids, g, sampling, seed)
+            seconds += sampled_round.seconds
+            new_tokens += int(sampled_round.new_tokens.sum())
+            total = sampled_round.total
             passed = (total >= rl.pass_threshold).astype(np.float32)
             self.pool.record(ids, passed.reshape(-1, g).mean(axis=1), g)
             for j in range(len(ids)):
                 rows = np.arange(j * g, (j + 1) * g)
-                groups.append((rollout, rows, total[rows], bool(total[rows].max() > total[rows].min())))
-            sampled.append((total, passed, rollout.lengths, parts))
+                groups.append((sampled_round, rows, total[rows], bool(total[rows].max() > total[rows].min())))
+            sampled.append((total, passed, sampled_round))
             if not self.dynamic_sampling or sum(inf for *_, inf in groups) >= rl.prompts_per_step:
                 break
         # Informative groups first (in sampling order); short of them, all-agreeing ones keep the batch's shape.
         kept = sorted(groups, key=lambda x: not x[3])[:rl.prompts_per_step]
-        rows = [training_rows(r, idx, self.seq_len, sampling.pad_id) for r, idx, _, _ in kept]
-        batch = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
-        batch, extra_stats = self.with_advantages(state, batch, np.concatenate([rw for _, _, rw, _ in kept]))
-        order = np.random.default_rng([self.cfg.train.seed, self.rollouts_done]).permutation(len(batch["inputs"]))
-        chunks = np.array_split(order, rl.minibatches)
-        self.pending = [{k: v[c] for k, v in batch.items()} for _ in range(rl.epochs) for c in chunks]
-        self.rollouts_done += 1
-        self.stats = self._rollout_stats(sampled, kept, len(groups), seconds, new_tokens,
-                                         time.perf_counter() - t0, len(sampled)) + tuple(extra_stats.items())
+        stats = self._rollout_stats(index, sampled, kept, len(groups), seconds, new_tokens, time.perf_counter() - t0,
+                                    len(sampled))
+        return SampledRollout([r.trajectories[i] for r, idx, _, _ in kept for i in idx],
+                              np.concatenate([rw for _, _, rw, _ in kept]), stats, version,
+                              self.pool.state() if self.rl.rollouts_ahead else None)
 
-    def _rollout_stats(self, sampled, kept, num_groups, sample_s, new_tokens, rollout_s, rounds):
+    def _rollout_stats(self, index, sampled, kept, num_groups, sample_s, new_tokens, rollout_s, rounds):
         total = np.concatenate([t for t, *_ in sampled])
-        passed = np.concatenate([p for _, p, *_ in sampled])
-        lengths = np.concatenate([n for _, _, n, _ in sampled])
+        passed = np.concatenate([p for _, p, _ in sampled])
+        lengths = np.concatenate([r.new_tokens for *_, r in sampled])
         group_std = total.reshape(-1, self.rl.group_size).std(axis=1)
         stats = {"reward_mean": float(total.mean()), "reward_std": float(total.std()),
                  "group_reward_std": float(group_std.mean()), "pass_at_1": float(passed.mean()),
@@ -311,10 +370,61 @@ class RLRecipe(RecipeBase):
                  "informative_groups_frac": float(np.mean(group_std > 0)), "rollout_rounds": float(rounds),
                  "sampled_groups": float(num_groups), "rollout_s": rollout_s, "sampling_s": sample_s,
                  "sampling_tokens_per_s": new_tokens / max(sample_s, 1e-9),
-                 "curriculum_level": float(self.pool.level), "rollouts": float(self.rollouts_done)}
-        for name in self.rewards.names:
-            stats[f"reward/{name}"] = float(np.concatenate([p[name] for *_, p in sampled]).mean())
+                 "curriculum_level": float(self.pool.level), "rollouts": float(index + 1)}
+        if self.environment is None:
+            for name in self.rewards.names:
+                stats[f"reward/{name}"] = float(np.concatenate([r.parts[name] for *_, r in sampled]).mean())
+        else:
+            stats.update(episode_stats([e for *_, r in sampled for e in r.episodes]))
         return tuple(stats.items())
+
+    def next_rollout(self, state: TrainState) -> None:
+        """The next rollout (sampled now with the policy in `state`, or taken from the rollout worker), its rows'
+        advantages, and its minibatches queued."""
+        rl = self.rl
+        if rl.rollouts_ahead:
+            sampled = self.worker().take(self.rollouts_done, state)
+            self.pool_snapshot = sampled.pool_after
+        else:
+            sampled = self.sample_rollout(self.rollouts_done, self.whole_params(state.params), state.buffers,
+                                          self.rollouts_done)
+        batch = trajectory_rows(sampled.trajectories, self.seq_len, self.sampling(rl.temperature).pad_id,
+                                self.cfg.model.num_experts_per_tok)
+        off_policy = {}
+        if rl.rollouts_ahead:
+            batch, off_policy = self.reweigh(state, batch, self.rollouts_done - sampled.version)
+        batch, extra_stats = self.with_advantages(state, batch, sampled.rewards)
+        order = np.random.default_rng([self.cfg.train.seed, self.rollouts_done]).permutation(len(batch["inputs"]))
+        chunks = np.array_split(order, rl.minibatches)
+        self.pending = [{k: v[c] for k, v in batch.items()} for _ in range(rl.epochs) for c in chunks]
+        self.rollouts_done += 1
+        self.stats = sampled.stats + tuple(off_policy.items()) + tuple(extra_stats.items())
+
+    def worker(self) -> RolloutsAhead:
+        if self.ahead is None:
+            rollouts = -(-self.cfg.total_steps // self.rl.updates_per_rollout)
+            self.ahead = RolloutsAhead(self.sample_rollout, self.rl.rollouts_ahead, self._snapshot, rollouts)
+        return self.ahead
+
+    def _snapshot(self, state: TrainState) -> tuple[nnx.State, nnx.State]:
+        """The policy's whole weights and buffers as copies the rollout worker may read while the step (which
+        donates the state) goes on."""
+        with jax.transfer_guard("allow"), sharding.use_mesh(self.mesh):
+            params, buffers = jax.tree.map(jnp.copy, (state.params, state.buffers))
+        return self.whole_params(params), buffers
+
+    def reweigh(self, state: TrainState, batch: dict[str, np.ndarray], staleness: int
+                ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """A rollout sampled by an older policy: the clipped ratio is taken against the current policy's log-probs
+        (recomputed here), and each token weighted by the truncated importance ratio to the sampler's."""
+        with jax.transfer_guard("allow"), sharding.use_mesh(self.mesh):
+            fn = reference_logprobs(self.main.graphdef, self.rl.temperature, self.rl.routing_replay)
+            current = np.asarray(jax.device_get(fn(state.params, self._policy_base(), state.buffers,
+                                                   device_batch(batch, self.mesh))), np.float32)
+        mask = batch["completion_mask"]
+        weights, stats = objective.truncated_importance(current, batch["old_logprobs"], mask, self.rl.importance_cap)
+        batch = {**batch, "old_logprobs": current * mask, "is_weights": weights}
+        return batch, {"staleness": float(staleness), **stats}
 
     def ref_logprobs(self, buffers: nnx.State, batch: dict[str, jax.Array]) -> jax.Array:
         """The KL reference's log-probs of a batch's completions (rl.kl_coef > 0)."""
@@ -325,14 +435,16 @@ class RLRecipe(RecipeBase):
     # --- held-out accuracy -------------------------------------------------------------------
 
     def heldout_metrics(self, state: TrainState, ids: np.ndarray) -> dict[str, float]:
-        """Greedy completions of held-out prompts `ids`: accuracy (pass rate), mean reward, response length."""
-        with jax.transfer_guard("allow"), sharding.use_mesh(self.mesh):
+        """Greedy completions (or episodes) of held-out prompts `ids`: accuracy (pass rate), mean reward, response
+        length (the tokens the model wrote)."""
+        with jax.transfer_guard("allow"):
             params = self.whole_params(state.params)
-            rollout = sample_groups(self.main.graphdef, params, state.buffers, [self.heldout_ids[i] for i in ids], 1,
-                                    self.sampling(0.0), seed=0)
-        total, _ = self.score(rollout, [self.heldout_items[i] for i in ids], self.heldout_rewards)
-        return {"accuracy": float(np.mean(total >= self.rl.pass_threshold)), "reward": float(total.mean()),
-                "response_len": float(rollout.lengths.mean())}
+            held = self.sample_round(params, state.buffers, ids, 1, self.sampling(0.0), seed=0, heldout=True)
+        out = {"accuracy": float(np.mean(held.total >= self.rl.pass_threshold)), "reward": float(held.total.mean()),
+               "response_len": float(held.new_tokens.mean())}
+        if held.episodes is not None:
+            out.update(episode_stats(held.episodes))
+        return out
 
     def held_out_accuracy(self, state: TrainState) -> dict[str, float]:
         """`heldout_metrics` over the first `heldout_count` held-out prompts in chunks of `rl.eval_batch`, averaged

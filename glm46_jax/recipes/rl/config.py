@@ -49,6 +49,16 @@ class RLConfig:
     code_timeout_s: float = 5.0
     code_memory_mb: int = 512
     eval_batch: int = 32  # held-out prompts per eval batch (train.eval_batches of them)
+    # Agentic RL (docs/rl.md#agentic-rl): multi-turn episodes with a tool environment. A turn reads at most
+    # max_prompt_len tokens (prompt, earlier turns, tool turns) and writes at most max_new_tokens.
+    environment: str = ""  # "" = one completion per prompt; else calculator | python | lookup | none | module:function
+    environment_store: str = ""  # the lookup environment's document store (JSONL of {"id", "title", "text"})
+    max_turns: int = 4  # model turns per episode
+    list_tools: bool = True  # the tools' schemas in a system turn (GLM's template); False: taught by fine-tuning
+    # Rollouts ahead of training: rollout r is sampled with the policy as it was after rollout r - 1 - rollouts_ahead
+    # (0: the current policy, synchronous); tokens are reweighted by min(pi_old / pi_behaviour, importance_cap).
+    rollouts_ahead: int = 0
+    importance_cap: float = 2.0
     # The reward model's check (docs/rl.md#the-reward-model-check): at every evaluation, fresh samples of the first
     # check_prompts prompts of rl.prompts judged by the labeller and by the reward model against the starting policy's.
     labeller: str = ""  # "" = no check; else a labeller name (recipes/rl/labellers.py), e.g. "exact_answer"
@@ -59,9 +69,10 @@ class RLConfig:
     def __post_init__(self):
         for f in ("group_size", "prompts_per_step", "minibatches", "epochs", "rollouts", "max_prompt_len",
                   "max_new_tokens", "curriculum_buckets", "code_memory_mb", "eval_batch", "check_prompts",
-                  "check_samples"):
+                  "check_samples", "max_turns"):
             check_range("rl", self, f, ge=1)
-        check_at_least("rl", self, 0, "max_refill_rounds", "kl_coef", "adv_eps")
+        check_at_least("rl", self, 0, "max_refill_rounds", "kl_coef", "adv_eps", "rollouts_ahead")
+        check_range("rl", self, "importance_cap", ge=1)
         check_range("rl", self, "temperature", gt=0, meaning="sampling temperature (the trainer divides logits "
                     "by it too, so the log-probs agree)")
         check_range("rl", self, "clip_low", ge=0, le=1)
@@ -91,6 +102,18 @@ class RLConfig:
                     "must be set exactly when rl.rewards or rl.heldout_rewards names \"reward_model\" "
                     f"(rewards={self.rewards}, heldout_rewards={self.heldout_rewards})",
                     "set --config.rl.reward_model=<reward run or export>, or drop \"reward_model\" from the rewards")
+
+        if self.environment:
+            check_field("rl", "environment", self.environment, self.chat,
+                        "runs episodes in the chat format, and rl.chat=False", "set --config.rl.chat=True")
+            check_field("rl", "rewards", self.rewards,
+                        self.rewards == ("exact_answer",) and not self.heldout_rewards and not self.reward_model,
+                        f"with rl.environment={self.environment!r} the environment rewards each episode",
+                        "leave rl.rewards, rl.heldout_rewards and rl.reward_model at their defaults")
+            check_field("rl", "environment_store", self.environment_store,
+                        bool(self.environment_store) == (self.environment == "lookup"),
+                        "is the lookup environment's document store: set exactly with rl.environment=lookup",
+                        "set --config.rl.environment_store=<documents.jsonl> (or clear it)")
 
     @property
     def updates_per_rollout(self) -> int:

@@ -13,7 +13,8 @@ starting "error:", which the episode shows the model as the tool's answer.
 
 Built-ins (`BUILTIN`): "calculator" (exact rational arithmetic on an expression), "python" (a program in
 rl/sandbox.py's subprocess: time and memory limits, no network, its own directory; its output), "lookup" (search
-and open over a local document store, one JSON object per line: {"id", "title", "text"}). Each rewards the final
+and open over a local document store, one JSON object per line: {"id", "title", "text"}), "none" (no tools: every
+call is refused, the baseline that shows what the tools add). Each rewards the final
 answer by `rewards.exact_answer` against item["answer"]; item["prompt"] is the user turn.
 """
 
@@ -98,10 +99,12 @@ class Tool:
 
 @dataclasses.dataclass(frozen=True)
 class ToolEnvironment:
-    """An Environment made of tools: the user turn is item["prompt"], the reward the exact final answer."""
+    """An Environment made of tools: the user turn is item["prompt"], the reward `reward_fn` of the final answer
+    (the exact answer by default)."""
     name: str
     tools: tuple[Tool, ...]
     system: str = "Use the tools to work out the answer. End with: The answer is <answer>."
+    reward_fn: Callable[[str, Mapping[str, Any]], float] = rewards.exact_answer  # (final answer, item) -> reward
 
     def start(self, item: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         messages = [{"role": "system", "content": self.system}, {"role": "user", "content": item["prompt"]}]
@@ -111,6 +114,8 @@ class ToolEnvironment:
         del item
         tool = next((t for t in self.tools if t.name == call.name), None)
         if tool is None:
+            if not self.tools:
+                return f"error: no tool {call.name!r}: this episode has no tools; answer directly"
             return f"error: no tool {call.name!r}; the tools are {', '.join(t.name for t in self.tools)}"
         missing = [k for k in tool.parameters if k not in call.arguments]
         extra = [k for k in call.arguments if k not in tool.parameters]
@@ -127,7 +132,7 @@ class ToolEnvironment:
         return out
 
     def reward(self, text: str, item: Mapping[str, Any]) -> float:
-        return rewards.exact_answer(text, item)
+        return self.reward_fn(text, item)
 
 
 # --- calculator -------------------------------------------------------------------------------------------------
@@ -227,7 +232,7 @@ def lookup_tools(docs: Mapping[str, Mapping[str, str]], results: int = 3) -> tup
 
 # --- registry ---------------------------------------------------------------------------------------------------
 
-BUILTIN = ("calculator", "python", "lookup")
+BUILTIN = ("calculator", "python", "lookup", "none")  # none: no tools (a baseline: the same episodes, tools refused)
 
 
 def resolve(name: str, *, store: str | None = None, code_timeout_s: float = 5.0, code_memory_mb: int = 256
@@ -237,6 +242,8 @@ def resolve(name: str, *, store: str | None = None, code_timeout_s: float = 5.0,
     if name == "calculator":
         return ToolEnvironment(name, (Tool("calculate", "Evaluate an arithmetic expression exactly.",
                                            {"expression": "e.g. (12345 * 678) + 9"}, calculate),))
+    if name == "none":
+        return ToolEnvironment(name, ())
     if name == "python":
         return ToolEnvironment(name, (python_tool(code_timeout_s, code_memory_mb),))
     if name == "lookup":

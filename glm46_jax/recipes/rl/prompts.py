@@ -16,7 +16,10 @@ from tokenizers import Tokenizer
 from glm46_jax.errors import InputError, json_lines
 from glm46_jax.interop import chat
 from glm46_jax.interop.reward import check_reward_dir
+from glm46_jax.recipes.rl import environments
 from glm46_jax.recipes.rl.config import RLConfig
+from glm46_jax.recipes.rl.environments import Environment
+from glm46_jax.recipes.rl.episodes import first_prompt
 from glm46_jax.recipes.rl.reward_model import check_same_tokenizer
 from glm46_jax.recipes.rl.rewards import Rewards
 from glm46_jax.run_config import RunConfig
@@ -38,10 +41,14 @@ def read_prompts(path: str) -> list[dict[str, Any]]:
     return items
 
 
-def encode_prompts(tok: Tokenizer, items: Sequence[Mapping[str, Any]], rl: RLConfig, where: str) -> list[list[int]]:
+def encode_prompts(tok: Tokenizer, items: Sequence[Mapping[str, Any]], rl: RLConfig, where: str,
+                   env: Environment | None = None) -> list[list[int]]:
+    """Each item's first tokens: its prompt as a user turn (rl.chat) or raw text, or an episode's opening (`env`)."""
     out = []
     for i, item in enumerate(items):
-        if rl.chat:
+        if env is not None:
+            ids = first_prompt(tok, env, item, list_tools=rl.list_tools)
+        elif rl.chat:
             ids = chat.encode_prompt(tok, [{"role": "user", "content": item["prompt"]}], enable_thinking=False)
         else:
             ids = tok.encode(item["prompt"], add_special_tokens=False).ids
@@ -74,11 +81,13 @@ def rl_inputs(cfg: RunConfig) -> dict[str, Any]:
     tok = Tokenizer.from_file(tokenizer_path(cfg))
     items, heldout = read_prompts(rl.prompts), read_prompts(rl.heldout)
     limits = dict(code_timeout_s=rl.code_timeout_s, code_memory_mb=rl.code_memory_mb)
+    env = environments.resolve(rl.environment, store=rl.environment_store or None, **limits) \
+        if rl.environment else None
     heldout_rewards = None
     if rl.heldout_rewards:
         heldout_rewards = Rewards.from_names(rl.heldout_rewards, (1.0,) * len(rl.heldout_rewards), **limits)
-    return dict(tok=tok, items=items, prompt_ids=encode_prompts(tok, items, rl, rl.prompts), heldout_items=heldout,
-                heldout_ids=encode_prompts(tok, heldout, rl, rl.heldout),
+    return dict(tok=tok, items=items, prompt_ids=encode_prompts(tok, items, rl, rl.prompts, env),
+                heldout_items=heldout, heldout_ids=encode_prompts(tok, heldout, rl, rl.heldout, env), environment=env,
                 rewards=Rewards.from_names(rl.rewards, rl.reward_weights, **limits),
                 stop_tokens=tuple(chat.stop_token_ids(tok)) if rl.chat else tuple(cfg.model.eos_token_id),
                 heldout_rewards=heldout_rewards)

@@ -68,41 +68,77 @@ def strip_stop(tokens: Sequence[int], stop_tokens: Sequence[int]) -> list[int]:
     return tokens[:-1] if tokens and tokens[-1] in stop_tokens else tokens
 
 
-def training_rows(rollout: Rollout, rows: Sequence[int], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
-    """The GRPO step's arrays for `rows` of the rollout (advantages are added by the caller):
+@dataclasses.dataclass
+class Trajectory:
+    """One training row's tokens as sampled: a prompt and a completion, or a whole multi-turn episode (prompt, model
+    turns, tool turns; rl/episodes.py). Only the tokens the model wrote are trained on."""
+    tokens: list[int]
+    generated: np.ndarray  # bool [len]: the model sampled this token
+    logprobs: np.ndarray  # float32 [len]: the sampler's log-prob of it (0 where not generated)
+    routing: np.ndarray | None  # int32 [fed, l, k]: experts used at each position the sampler fed (all but the last)
 
-    inputs [b, s]               prompt + completion, then pad_id
-    completion_mask [b, s-1]    1 where label position t predicts a completion token (inputs[t + 1])
+    @property
+    def new_tokens(self) -> int:
+        return int(self.generated.sum())
+
+
+def trajectory(rollout: Rollout, row: int) -> Trajectory:
+    """Row `row` of a single-turn rollout as a Trajectory: its prompt, then its completion."""
+    prompt, n = rollout.prompts[row], int(rollout.lengths[row])
+    p = len(prompt)
+    generated = np.zeros(p + n, bool)
+    generated[p:] = True
+    logprobs = np.zeros(p + n, np.float32)
+    logprobs[p:] = rollout.logprobs[row, :n]
+    routing = None
+    if rollout.routing is not None:
+        start = rollout.prompt_slots - p
+        routing = rollout.routing[row, start:start + p + n - 1]
+    return Trajectory(prompt + rollout.tokens[row, :n].tolist(), generated, logprobs, routing)
+
+
+def training_rows(rollout: Rollout, rows: Sequence[int], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """`trajectory_rows` of rows `rows` of a single-turn rollout."""
+    return trajectory_rows([trajectory(rollout, r) for r in rows], seq_len, pad_id, num_experts_per_tok(rollout))
+
+
+def num_experts_per_tok(rollout: Rollout) -> int | None:
+    return None if rollout.routing is None else rollout.routing.shape[-1]
+
+
+def trajectory_rows(trajectories: Sequence[Trajectory], seq_len: int, pad_id: int,
+                    experts_per_tok: int | None) -> dict[str, np.ndarray]:
+    """The GRPO step's arrays for `trajectories` (advantages are added by the caller):
+
+    inputs [b, s]               the trajectory's tokens, then pad_id
+    completion_mask [b, s-1]    1 where label position t predicts a token the model generated (inputs[t + 1]):
+                                a prompt's and a tool turn's tokens carry no loss, KL or value target
     old_logprobs [b, s-1]       the sampler's log-prob of that token (0 elsewhere)
-    expert_ids [b, s, l, k]     (routing replay) the experts the sampler used at each fed position; positions it
-                                never fed (the last completion token, padding) hold expert ids 0..k-1, which only
-                                influence outputs nothing is trained on (attention is causal)
-    replay_mask [b, s]          1 at the fed completion positions (where routing mismatch is measured)
+    expert_ids [b, s, l, k]     (routing replay, `experts_per_tok` = k) the experts the sampler used at each fed
+                                position; positions it never fed (the last token, padding) hold expert ids 0..k-1,
+                                which only influence outputs nothing is trained on (attention is causal)
+    replay_mask [b, s]          1 at the fed positions of generated tokens (where routing mismatch is measured)
     """
-    b = len(rows)
+    b = len(trajectories)
     inputs = np.full((b, seq_len), pad_id, np.int32)
     mask = np.zeros((b, seq_len - 1), np.float32)
     old = np.zeros((b, seq_len - 1), np.float32)
     replay_mask = np.zeros((b, seq_len), np.float32)
-    routing = rollout.routing
-    if routing is not None:
-        k = routing.shape[-1]
-        expert_ids = np.broadcast_to(np.arange(k, dtype=np.int32), (b, seq_len, routing.shape[2], k)).copy()
-    for out, row in enumerate(rows):
-        prompt, n = rollout.prompts[row], int(rollout.lengths[row])
-        p = len(prompt)
-        if p + n > seq_len:
-            raise ValueError(f"row {row}: prompt {p} + completion {n} tokens > seq_len {seq_len}")
-        inputs[out, :p] = prompt
-        inputs[out, p:p + n] = rollout.tokens[row, :n]
-        mask[out, p - 1:p - 1 + n] = 1.0
-        old[out, p - 1:p - 1 + n] = rollout.logprobs[row, :n]
-        fed = p + n - 1  # the prompt and every completion token but the last went through the model
-        replay_mask[out, p:fed] = 1.0
-        if routing is not None:
-            start = rollout.prompt_slots - p
-            expert_ids[out, :fed] = routing[row, start:start + fed]
+    expert_ids = None
+    for out, t in enumerate(trajectories):
+        n = len(t.tokens)
+        if n > seq_len:
+            raise ValueError(f"trajectory {out}: {n} tokens > seq_len {seq_len}")
+        inputs[out, :n] = t.tokens
+        mask[out, :n - 1] = t.generated[1:]
+        old[out, :n - 1] = t.logprobs[1:]
+        replay_mask[out, :n - 1] = t.generated[:n - 1]  # the last token is never fed
+        if t.routing is not None:
+            if expert_ids is None:
+                expert_ids = np.broadcast_to(np.arange(experts_per_tok, dtype=np.int32),
+                                             (b, seq_len, t.routing.shape[1], experts_per_tok)).copy()
+            expert_ids[out, :len(t.routing)] = t.routing
     batch = {"inputs": inputs, "completion_mask": mask, "old_logprobs": old, "replay_mask": replay_mask}
-    if routing is not None:
+    if expert_ids is not None:
         batch["expert_ids"] = expert_ids
     return batch

@@ -35,7 +35,8 @@ def grpo_loss(params: nnx.State, buffers: nnx.State, batch: dict[str, Array], gr
     adv = like(batch["advantages"], logp[:, 0])
     pg, stats = objective.policy_loss(logp, old, adv, mask,
                                       clip_low=rl.clip_low, clip_high=rl.clip_high,
-                                      aggregation=rl.aggregation, max_tokens=rl.max_new_tokens)
+                                      aggregation=rl.aggregation, max_tokens=rl.max_new_tokens,
+                                      weights=like(batch["is_weights"], logp) if "is_weights" in batch else None)
     n = jnp.maximum(mask.sum(), 1.0)
     token_mean = lambda x: jnp.sum(x * mask) / n  # noqa: E731
     metrics = {"pg_loss": pg, "ce": -token_mean(logp), "entropy": token_mean(entropy),

@@ -49,8 +49,9 @@ def ppo_loss(params: dict[str, nnx.State], buffers: dict[str, nnx.State], batch:
                                                  rl.temperature, rl.routing_replay)
     mask, old = like(batch["completion_mask"], logp), like(batch["old_logprobs"], logp)
     adv = like(batch["advantages"], logp)
+    weights = like(batch["is_weights"], logp) if "is_weights" in batch else None  # rollouts sampled ahead
     pg, stats = policy_objective.policy_loss(logp, old, adv, mask, clip_low=rl.clip_low, clip_high=rl.clip_high,
-                                             aggregation="token")
+                                             aggregation="token", weights=weights)
     n = jnp.maximum(mask.sum(), 1.0)
     token_mean = lambda x: jnp.sum(x * mask) / n  # noqa: E731
     ent = token_mean(entropy)

@@ -42,7 +42,7 @@ _PRESETS = {
         base="tiny", init_from="runs/sft_agent_calc",
         rl=dict(prompts="data/agent_calc/prompts_train.jsonl", heldout="data/agent_calc/prompts_heldout.jsonl",
                 environment="calculator", list_tools=False, max_turns=3, group_size=8, prompts_per_step=8,
-                minibatches=2, rollouts=40, max_prompt_len=72, max_new_tokens=40, eval_batch=200,
+                minibatches=2, rollouts=30, max_prompt_len=72, max_new_tokens=40, eval_batch=200,
                 curriculum_buckets=1),
         train=dict(log_every=10, eval_every=0, eval_batches=1),
         checkpoint=dict(every=20, keep=2),

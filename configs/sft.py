@@ -63,7 +63,7 @@ _PRESETS["rl_addition"] = dict(
 _PRESETS["agent_calc"] = dict(
     base="tiny", init_from="", method="full", root="data/agent_calc/sft",
     sft=dict(seq_len=96, global_batch=16, epochs=1.0),
-    train=dict(steps=300, log_every=25, eval_every=0, eval_batches=2),
+    train=dict(steps=200, log_every=25, eval_every=0, eval_batches=2),
     checkpoint=dict(every=1000, keep=1),
     optim=dict(lr=3e-3, end_lr=3e-4, warmup_steps=20, algorithm="adamw", weight_decay=0.0),
     lora=None,

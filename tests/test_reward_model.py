@@ -347,7 +347,7 @@ def test_scorer_checks_the_tokenizer(rl_data, reward_run, mesh1):
 def test_grpo_with_a_non_reward_dir_in_process(rl_data, tmp_path, mesh1):
     """recipe.model_scorer (what GRPO's build calls) on a directory with the policy's tokenizer but no model."""
     from glm46_jax import run_config
-    from glm46_jax.recipes.rl.base import model_scorer
+    from glm46_jax.recipes.rl.build import model_scorer
 
     c = run_config.config_file(os.path.join(ROOT, "configs", "grpo.py"), "tiny")
     with c.unlocked():

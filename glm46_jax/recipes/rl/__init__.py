@@ -3,6 +3,8 @@
     config        RLConfig, the `rl` section both recipes are handed
     base          RLRecipe, the shared recipe: the rollout loop, dynamic sampling, minibatches, reference log-probs,
                   held-out accuracy, the data state; the seams each recipe fills (its step and its advantages)
+    build         what the recipes' builds share: the settings RL needs, the policy's spec, the KL reference, the
+                  reward model(s) as a scorer
     prompts       the prompts files, their tokens, the tokenizer, the rewards: what every RL recipe reads
     rollout       G samples per prompt from glm46_jax.infer.generate (log-probs, recorded routing); trajectories ->
                   training rows (only sampled tokens trained)

@@ -36,9 +36,7 @@ from flax import nnx
 from tokenizers import Tokenizer
 
 from glm46_jax import atomic
-from glm46_jax.errors import InputError
 from glm46_jax.parallel import sharding
-from glm46_jax.recipes import models
 from glm46_jax.recipes.base import RecipeBase
 from glm46_jax.recipes.rl import labellers, objective
 from glm46_jax.recipes.rl.ahead import RolloutsAhead
@@ -46,14 +44,21 @@ from glm46_jax.recipes.rl.check import RewardCheck
 from glm46_jax.recipes.rl.config import RLConfig
 from glm46_jax.recipes.rl.curriculum import CurriculumConfig, PromptPool
 from glm46_jax.recipes.rl.environments import Environment
-from glm46_jax.recipes.rl.episodes import ENDINGS, Episode, run_episodes
+from glm46_jax.recipes.rl.episodes import episode_stats, run_episodes
 from glm46_jax.recipes.rl.logprobs import reference_logprobs
 from glm46_jax.recipes.rl.policy_pairs import completion_texts
 from glm46_jax.recipes.rl.prompts import tokenizer_path
 from glm46_jax.recipes.rl.reward_model import EnsembleScorer, ModelScorer
 from glm46_jax.recipes.rl.rewards import Rewards
-from glm46_jax.recipes.rl.rollout import Rollout, Sampling, Trajectory, sample_groups, trajectory, trajectory_rows
-from glm46_jax.run_config import RunConfig
+from glm46_jax.recipes.rl.rollout import (
+    Rollout,
+    Round,
+    SampledRollout,
+    Sampling,
+    sample_groups,
+    trajectory,
+    trajectory_rows,
+)
 from glm46_jax.training.step import TrainState, with_frozen
 from glm46_jax.training.trainer import Segment, StepInput
 
@@ -62,38 +67,6 @@ from glm46_jax.training.trainer import Segment, StepInput
 class RolloutSegment(Segment):
     """The run's one segment, with the latest rollout's metrics (`stats`), logged with the steps trained on it."""
     stats: tuple[tuple[str, float], ...] = dataclasses.field(default=(), compare=False)
-
-
-@dataclasses.dataclass
-class Round:
-    """One sampling call, scored: row i is sample i % G of prompt i // G."""
-    trajectories: list[Trajectory]
-    total: np.ndarray  # [n] the weighted reward
-    parts: dict[str, np.ndarray]  # [n] each reward by name
-    new_tokens: np.ndarray  # [n] the tokens the model wrote
-    seconds: float  # wall time of the sampling (device work included)
-    episodes: list[Episode] | None = None  # rl.environment: the episodes the rows are
-
-
-@dataclasses.dataclass
-class SampledRollout:
-    """A rollout's kept rows as sampled and scored, and their statistics."""
-    trajectories: list[Trajectory]
-    rewards: np.ndarray  # [rows]
-    stats: tuple[tuple[str, float], ...]
-    version: int  # rollouts the sampling policy had been trained on
-    pool_after: dict[str, Any] | None  # the prompt pool's state after its draws (rollouts sampled ahead)
-
-
-def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
-    """Means over episodes: model turns, tool calls, the share of tool answers that were errors, and how the
-    episodes ended."""
-    calls = sum(e.tool_calls for e in episodes)
-    stats = {"turns": float(np.mean([e.turns for e in episodes])),
-             "tool_calls": calls / len(episodes),
-             "tool_error_frac": sum(e.tool_errors for e in episodes) / max(calls, 1)}
-    stats.update({f"ended_{how}": float(np.mean([e.ended == how for e in episodes])) for how in ENDINGS})
-    return stats
 
 
 def device_batch(batch: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
@@ -454,48 +427,3 @@ class RLRecipe(RecipeBase):
                    for ids in (np.arange(i, min(i + size, n)) for i in range(0, n, size))]
         n = sum(size for size, _ in results)
         return {k: sum(size * r[k] for size, r in results) / n for k in results[0][1]}
-
-
-# --- building: what both recipes' `build` do -----------------------------------------------------
-
-def check_rl(cfg: RunConfig) -> None:
-    """What every RL recipe needs of the run's settings."""
-    rl = cfg.rl
-    if cfg.checkpoint.every % rl.updates_per_rollout:
-        raise InputError(f"checkpoint.every={cfg.checkpoint.every} must be a multiple of the optimizer steps per "
-                         f"rollout ({rl.updates_per_rollout} = rl.minibatches x rl.epochs), so that checkpoints fall "
-                         "between rollouts and a resumed run continues exactly")
-    if cfg.model.moe_capacity_factor > 0:
-        raise InputError("model.moe_capacity_factor > 0: RL needs dropless routing (0), or the sampler's and the "
-                         "trainer's batches drop different tokens")
-
-
-def policy_spec(cfg: RunConfig) -> models.ModelSpec:
-    """The policy: checkpoint.init_from's weights, adapters with rl.method=lora. The KL reference is a copy of the
-    starting weights, so with rl.kl_coef > 0 they are read on a resume too."""
-    return models.ModelSpec("policy", cfg.model, init_from=cfg.checkpoint.init_from,
-                            lora=cfg.lora if cfg.rl.method == "lora" else None, load_when_resuming=cfg.rl.kl_coef > 0)
-
-
-def reference_weights(cfg: RunConfig, built: models.Built) -> nnx.State | None:
-    """The KL reference (rl.kl_coef > 0): a copy of the policy's starting trained weights."""
-    return jax.tree.map(jnp.copy, built.state.params) if cfg.rl.kl_coef > 0 else None
-
-
-def rollout_batch(cfg: RunConfig) -> models.BatchShape:
-    rl = cfg.rl
-    return models.BatchShape("rl.prompts_per_step x rl.group_size / rl.minibatches",
-                             rl.prompts_per_step * rl.group_size // rl.minibatches,
-                             "rl.max_prompt_len + rl.max_new_tokens", rl.max_prompt_len + rl.max_new_tokens)
-
-
-def model_scorer(cfg: RunConfig, mesh: jax.sharding.Mesh) -> ModelScorer | EnsembleScorer | None:
-    """The reward model (or rl.reward_ensemble's conservative score) when rl.rewards or rl.heldout_rewards names it, on
-    the run's mesh."""
-    rl = cfg.rl
-    if "reward_model" not in rl.rewards + rl.heldout_rewards:
-        return None
-    members = [ModelScorer.load(path, mesh, policy_tokenizer=tokenizer_path(cfg), pad_id=cfg.model.pad_token_id or 0,
-                                row_len=rl.max_prompt_len + rl.max_new_tokens)
-               for path in (rl.reward_model, *rl.reward_ensemble)]
-    return members[0] if len(members) == 1 else EnsembleScorer(members, rl.ensemble_penalty)

@@ -145,3 +145,13 @@ def run_episodes(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, 
         r.ended = r.ended or "turns"
     return [r.episode() for r in run], time.perf_counter() - t0
 
+
+def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Means over episodes: model turns, tool calls, the share of tool answers that were errors, and how the
+    episodes ended."""
+    calls = sum(e.tool_calls for e in episodes)
+    stats = {"turns": float(np.mean([e.turns for e in episodes])),
+             "tool_calls": calls / len(episodes),
+             "tool_error_frac": sum(e.tool_errors for e in episodes) / max(calls, 1)}
+    stats.update({f"ended_{how}": float(np.mean([e.ended == how for e in episodes])) for how in ENDINGS})
+    return stats

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -142,3 +143,24 @@ def trajectory_rows(trajectories: Sequence[Trajectory], seq_len: int, pad_id: in
     if expert_ids is not None:
         batch["expert_ids"] = expert_ids
     return batch
+
+
+@dataclasses.dataclass
+class Round:
+    """One sampling call, scored: row i is sample i % G of prompt i // G."""
+    trajectories: list[Trajectory]
+    total: np.ndarray  # [n] the weighted reward
+    parts: dict[str, np.ndarray]  # [n] each reward by name
+    new_tokens: np.ndarray  # [n] the tokens the model wrote
+    seconds: float  # wall time of the sampling (device work included)
+    episodes: list[Any] | None = None  # rl.environment: the rows' rl/episodes.Episode records
+
+
+@dataclasses.dataclass
+class SampledRollout:
+    """A rollout's kept rows as sampled and scored, and their statistics."""
+    trajectories: list[Trajectory]
+    rewards: np.ndarray  # [rows]
+    stats: tuple[tuple[str, float], ...]
+    version: int  # rollouts the sampling policy had been trained on
+    pool_after: dict[str, Any] | None  # the prompt pool's state after its draws (rollouts sampled ahead)

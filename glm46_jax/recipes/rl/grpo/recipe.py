@@ -21,7 +21,8 @@ from absl import logging
 
 from glm46_jax.recipes import models
 from glm46_jax.recipes.base import warn_random_start
-from glm46_jax.recipes.rl.base import RLRecipe, check_rl, model_scorer, policy_spec, reference_weights, rollout_batch
+from glm46_jax.recipes.rl.base import RLRecipe
+from glm46_jax.recipes.rl.build import check_rl, model_scorer, policy_spec, reference_weights, rollout_batch
 from glm46_jax.recipes.rl.grpo import objective
 from glm46_jax.recipes.rl.grpo.step import make_grpo_step
 from glm46_jax.recipes.rl.prompts import rl_inputs

@@ -35,8 +35,8 @@ from glm46_jax.errors import InputError
 from glm46_jax.parallel import sharding
 from glm46_jax.recipes import models
 from glm46_jax.recipes.base import warn_random_start
-from glm46_jax.recipes.rl.base import (RLRecipe, check_rl, device_batch, model_scorer, policy_spec, reference_weights,
-                                       rollout_batch)
+from glm46_jax.recipes.rl.base import RLRecipe, device_batch
+from glm46_jax.recipes.rl.build import check_rl, model_scorer, policy_spec, reference_weights, rollout_batch
 from glm46_jax.recipes.rl.ppo import objective
 from glm46_jax.recipes.rl.ppo.config import PPOConfig
 from glm46_jax.recipes.rl.ppo.step import make_ppo_step, values_fn

@@ -8,8 +8,9 @@ Each setting runs configs/grpo.py:agent (episodes with the calculator tool) for 
 process: the first run compiles every program (and is discarded), the second is timed, so compile time is left out.
 Per setting: the timed run's wall time per RL step (one rollout and its `rl.minibatches` updates, held-out
 evaluation off), the median sampling time of a rollout (`train/sampling_s`: the episodes' generate calls, in the
-worker's thread when ahead), the median update time (`train/step_s` summed over a rollout's updates) and the
-ratio of the synchronous step time to this one. With K > 0 a step also holds the current policy's log-probs of the
+worker's thread when ahead), the median time the trainer waited for its rollout (`train/rollout_wait_s`: all of
+the sampling when synchronous, the part the worker did not hide when ahead), the rest of the RL step (the updates,
+the correction's forward, the host work) and the ratio of the synchronous step time to this one. With K > 0 a step also holds the current policy's log-probs of the
 rollout (the off-policy correction's forward). Held-out success is not the point here (too few rollouts).
 """
 
@@ -58,9 +59,10 @@ def timed(args, ahead: int) -> dict[str, float]:
         rows = [r for r in map(json.loads, f) if "train/loss" in r]
     per = cfg.rl.updates_per_rollout
     sampling = [r["train/sampling_s"] for r in rows[::per]]
-    updates = [sum(r["train/step_s"] for r in rows[i:i + per]) for i in range(0, len(rows), per)]
+    waited = [r["train/rollout_wait_s"] for r in rows[::per]]
     return {"ahead": ahead, "wall_s": wall, "rl_step_s": wall / args.rollouts,
-            "sampling_s": float(np.median(sampling)), "updates_s": float(np.median(updates)),
+            "sampling_s": float(np.median(sampling)), "wait_s": float(np.median(waited)),
+            "rest_s": wall / args.rollouts - float(np.mean(waited)),
             "staleness": float(np.mean([r.get("train/staleness", 0.0) for r in rows]))}
 
 
@@ -79,12 +81,12 @@ def main() -> None:
                             check=False).stdout.strip()
     print(f"commit {commit}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"jax {jax.__version__}, {jax.devices()[0].platform}; {args.rollouts} rollouts per setting")
-    print("| rollouts_ahead | wall s | RL step s | sampling s (median) | updates s (median) | mean staleness | "
-          "speed vs K=0 |")
-    print("|---|---|---|---|---|---|---|")
+    print("| rollouts_ahead | wall s | RL step s | sampling s (median) | waited for the rollout s (median) | "
+          "rest of the step s | mean staleness | speed vs K=0 |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['ahead']} | {r['wall_s']:.1f} | {r['rl_step_s']:.2f} | {r['sampling_s']:.2f} | "
-              f"{r['updates_s']:.2f} | {r['staleness']:.2f} | {base / r['rl_step_s']:.2f}x |")
+        print(f"| {r['ahead']} | {r['wall_s']:.1f} | {r['rl_step_s']:.2f} | {r['sampling_s']:.2f} | {r['wait_s']:.2f} | "
+              f"{r['rest_s']:.2f} | {r['staleness']:.2f} | {base / r['rl_step_s']:.2f}x |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"commit": commit, "results": results}, f, indent=1)

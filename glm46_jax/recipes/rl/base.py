@@ -355,12 +355,14 @@ class RLRecipe(RecipeBase):
         """The next rollout (sampled now with the policy in `state`, or taken from the rollout worker), its rows'
         advantages, and its minibatches queued."""
         rl = self.rl
+        t0 = time.perf_counter()
         if rl.rollouts_ahead:
             sampled = self.worker().take(self.rollouts_done, state)
             self.pool_snapshot = sampled.pool_after
         else:
             sampled = self.sample_rollout(self.rollouts_done, self.whole_params(state.params), state.buffers,
                                           self.rollouts_done)
+        waited = {"rollout_wait_s": time.perf_counter() - t0}  # all of the sampling, or what the worker did not hide
         batch = trajectory_rows(sampled.trajectories, self.seq_len, self.sampling(rl.temperature).pad_id,
                                 self.cfg.model.num_experts_per_tok)
         off_policy = {}
@@ -371,7 +373,7 @@ class RLRecipe(RecipeBase):
         chunks = np.array_split(order, rl.minibatches)
         self.pending = [{k: v[c] for k, v in batch.items()} for _ in range(rl.epochs) for c in chunks]
         self.rollouts_done += 1
-        self.stats = sampled.stats + tuple(off_policy.items()) + tuple(extra_stats.items())
+        self.stats = sampled.stats + tuple(waited.items()) + tuple(off_policy.items()) + tuple(extra_stats.items())
 
     def worker(self) -> RolloutsAhead:
         if self.ahead is None:

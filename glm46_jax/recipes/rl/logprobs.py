@@ -1,5 +1,5 @@
 """The policy's log-probs of sampled completions, as both RL updates and the KL reference compute them: the model on
-the rollout's rows (rollout.training_rows) with the sampler's routing replayed, at the sampler's temperature
+the rollout's rows (rollout.trajectory_rows) with the sampler's routing replayed, at the sampler's temperature
 (docs/rl.md#the-update).
 
     logp, entropy, differs = completion_logprobs(params, buffers, graphdef, batch, temperature=1.0)

@@ -7,7 +7,8 @@
     kl_coef = adaptive_kl_coef(kl_coef, kl=2.3, target=6.0, samples=512, horizon=10_000)      # after each rollout
 
 A row is prompt + completion; `mask` [b, t] is 1 at the positions that predict a completion token (one contiguous run
-per row, starting after the prompt, ending before the padding; rollout.training_rows). The policy's action at position
+per row, starting after the prompt, ending before the padding; rollout.trajectory_rows), or in an agentic episode
+the positions of the model's turns (the tool turns between them unmasked). The policy's action at position
 t is its completion token, so the rollout of a row is its masked positions in order, and the episode ends after the
 last one.
   token_rewards  r_t = -kl_coef * kl_t on masked positions, plus the sequence score at the row's last masked position

@@ -3,7 +3,7 @@
     step = make_ppo_step(policy_graphdef, critic_graphdef, {"policy": tx, "critic": tx_c}, run_cfg.rl, run_cfg.ppo)
     state, metrics = step(state, batch, controls, frozen)    # training.step.TrainState: policy inline, critic in others
 
-A batch is the rollout's rows (rollout.training_rows) plus [b, s-1] "advantages" (GAE, per token), "returns" and
+A batch is the rollout's rows (rollout.trajectory_rows) plus [b, s-1] "advantages" (GAE, per token), "returns" and
 "old_values" (the critic's values at the rollout), and "ref_logprobs" with a k3 KL. The loss is
     clipped policy loss - entropy_coef * entropy (+ kl_coef * k3) + vf_coef * clipped value loss;
 the policy's parameters reach only the first terms and the critic's only the last, so one `make_step` with each

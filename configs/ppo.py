@@ -1,4 +1,4 @@
-"""PPO configs: `get_config("<preset>")` for tiny | addition | glm46.
+"""PPO configs: `get_config("<preset>")` for tiny | addition | agent | glm46.
 
     make rlhf                                                  # tiny: reward model (configs/reward.py:tiny), then PPO
     python -m glm46_jax.train --config=configs/ppo.py:addition --config.train.seed=1   # a verifiable reward, no RM
@@ -55,6 +55,19 @@ _PRESETS = {
         ppo=dict(_CRITIC),
         train=dict(log_every=10, eval_every=0, eval_batches=2),
         checkpoint=dict(every=100, keep=1),
+        optim=dict(lr=1e-4, end_lr=1e-4, warmup_steps=0, algorithm="adamw", weight_decay=0.0, clip=1.0),
+    ),
+    # Agentic PPO (docs/rl.md#agentic-rl): configs/grpo.py:agent's episodes (the calculator, 3 turns) with a critic
+    # from the policy's weights and the exact-answer reward, 32 prompts x 2 samples per rollout.
+    "agent": dict(
+        base="tiny", init_from="runs/sft_agent_calc",
+        rl=dict(_ADDITION, prompts="data/agent_calc/prompts_train.jsonl",
+                heldout="data/agent_calc/prompts_heldout.jsonl", rollouts=30, environment="calculator",
+                list_tools=False, max_turns=3, max_prompt_len=72, max_new_tokens=40, eval_batch=200,
+                rewards=("exact_answer",), reward_weights=(1.0,)),
+        ppo=dict(_CRITIC),
+        train=dict(log_every=10, eval_every=0, eval_batches=1),
+        checkpoint=dict(every=20, keep=2),
         optim=dict(lr=1e-4, end_lr=1e-4, warmup_steps=0, algorithm="adamw", weight_decay=0.0, clip=1.0),
     ),
     "glm46": dict(

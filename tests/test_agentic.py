@@ -293,3 +293,19 @@ def test_agentic_grpo_raises_heldout_success_across_seeds(tmp_path_factory):
     se = [np.sqrt(b * (1 - b) / 200) for b, _ in gains]
     assert np.mean([a - b for b, a in gains]) > 2 * np.mean(se), (gains, se)
     assert all(a - b > -s for (b, a), s in zip(gains, se)), (gains, se)
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"chat": False}, "rl.environment='calculator': runs episodes in the chat format"),
+    ({"rewards": ("think_answer_format",)}, "the environment rewards each episode"),
+    ({"environment_store": "docs.jsonl"}, "is the lookup environment's document store"),
+    ({"importance_cap": 0.5}, "rl.importance_cap=0.5"),
+    ({"rollouts_ahead": -1}, "rl.rollouts_ahead=-1"),
+])
+def test_agentic_settings_that_cannot_run_are_one_line(fields, says):
+    from glm46_jax.errors import InputError
+    from glm46_jax.recipes.rl.config import RLConfig
+
+    with pytest.raises(InputError) as e:
+        RLConfig(environment="calculator", **fields)
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -223,7 +223,8 @@ def test_total_steps_are_computed_once_without_disk_io_afterwards(tmp_path):
 
 
 @pytest.mark.parametrize("name, preset", [("sft", "tiny"), ("grpo", "tiny"), ("ppo", "addition"), ("dpo", "tiny"),
-                                          ("reward", "tiny")])
+                                          ("reward", "tiny"), ("sft", "agent_calc"), ("grpo", "agent"),
+                                          ("ppo", "agent")])
 def test_the_config_file_round_trip_keeps_every_section_as_written(name, preset):
     """The ConfigDict goes through JSON (tuples come back as lists): each section of the typed config equals its
     dataclass built from the file's values, tuples included (rl.rewards, lora.targets)."""

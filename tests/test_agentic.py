@@ -309,3 +309,85 @@ def test_agentic_settings_that_cannot_run_are_one_line(fields, says):
     with pytest.raises(InputError) as e:
         RLConfig(environment="calculator", **fields)
     assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def length_reward(completion, item):
+    """A reward a random policy's samples differ in."""
+    del item
+    return float(len(completion))
+
+
+def test_synchronous_rollouts_are_grpo_as_it_was(tmp_path, mesh1):
+    """rl.rollouts_ahead=0 on single-turn data feeds the step exactly GRPO's batches as they were built before
+    episodes and the rollout worker existed: the pool's draw, the sampler's rows, a prompt + completion row laid out
+    by hand (the completion mask, the sampler's log-probs, the replayed experts), all-agreeing groups last, group
+    advantages by NumPy and the seeded minibatch order: every array of both minibatches equal bit for bit (the
+    advantages to float32 rounding)."""
+    from data_prep import rl_tasks
+    from glm46_jax import run_config
+    from glm46_jax.parallel import sharding
+    from glm46_jax.recipes.rl.curriculum import CurriculumConfig, PromptPool
+    from glm46_jax.recipes.rl.grpo.recipe import GRPO
+    from glm46_jax.recipes.rl.rollout import sample_groups
+    from glm46_jax.run_config import config_file
+
+    data = str(tmp_path / "data")
+    rl_tasks.write(data, seed=0, heldout=8, sft=0)
+    c = config_file(os.path.join(ROOT, "configs", "grpo.py"), "tiny")
+    with c.unlocked():
+        c.run_dir = str(tmp_path / "run")
+        c.checkpoint.update(init_from="", every=2)
+        c.train.update(steps=2, eval_batches=1)
+        c.rl.update(prompts=os.path.join(data, "prompts_train.jsonl"), heldout=os.path.join(data, "prompts_heldout.jsonl"),
+                    tokenizer=os.path.join(data, "tokenizer.json"), group_size=4, prompts_per_step=4, minibatches=2,
+                    max_new_tokens=4, eval_batch=8, dynamic_sampling=False, rewards=[f"{__name__}:length_reward"],
+                    reward_weights=[1.0])
+    cfg = run_config.from_config_dict(c)
+    recipe, state = GRPO.build(cfg, jax.devices()[:1])
+    recipe.start(state)
+    got = [jax.device_get(recipe.next_input(state, np.inf).batch) for _ in range(2)]
+
+    rl, g = cfg.rl, cfg.rl.group_size
+    difficulty = [int(it["difficulty"]) for it in recipe.items]
+    pool = PromptPool(len(difficulty), difficulty, CurriculumConfig(1, rl.curriculum_advance_at, rl.curriculum_ema),
+                      seed=0)
+    ids = pool.draw(rl.prompts_per_step)
+    sampling = Sampling(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
+                        stop_tokens=tuple(chat.stop_token_ids(recipe.tok)), prompt_len=rl.max_prompt_len,
+                        record_routing=True)
+    with sharding.use_mesh(recipe.mesh):
+        rollout = sample_groups(recipe.main.graphdef, state.params, state.buffers, [recipe.prompt_ids[i] for i in ids],
+                                g, sampling, seed=0)
+    n, s, k = len(ids) * g, rl.max_prompt_len + rl.max_new_tokens, cfg.model.num_experts_per_tok
+    want = {"inputs": np.zeros((n, s), np.int32), "completion_mask": np.zeros((n, s - 1), np.float32),
+            "old_logprobs": np.zeros((n, s - 1), np.float32), "replay_mask": np.zeros((n, s), np.float32),
+            "expert_ids": np.broadcast_to(np.arange(k, dtype=np.int32), (n, s, rollout.routing.shape[2], k)).copy()}
+    reward = np.zeros(n)
+    for row in range(n):
+        prompt, length = rollout.prompts[row], int(rollout.lengths[row])
+        p = len(prompt)
+        completion = rollout.tokens[row, :length]
+        want["inputs"][row, :p + length] = prompt + completion.tolist()
+        want["completion_mask"][row, p - 1:p + length - 1] = 1
+        want["old_logprobs"][row, p - 1:p + length - 1] = rollout.logprobs[row, :length]
+        want["replay_mask"][row, p:p + length - 1] = 1
+        want["expert_ids"][row, :p + length - 1] = rollout.routing[row, rl.max_prompt_len - p:][:p + length - 1]
+        stop = length and completion[-1] in sampling.stop_tokens
+        reward[row] = len(recipe.tok.decode(completion[:length - 1] if stop else completion, skip_special_tokens=False))
+    groups = reward.reshape(-1, g)
+    want["advantages"] = ((groups - groups.mean(1, keepdims=True)) / (groups.std(1, keepdims=True) + rl.adv_eps)
+                          ).reshape(-1).astype(np.float32)
+    # Groups whose rewards all agree go last (in sampling order), as GRPO has always laid out a rollout.
+    informative = np.ptp(groups, axis=1) > 0
+    kept = np.concatenate([np.arange(j * g, (j + 1) * g)
+                           for j in sorted(range(len(ids)), key=lambda j: not informative[j])])
+    want = {key: value[kept] for key, value in want.items()}
+    order = np.array_split(np.random.default_rng([cfg.train.seed, 0]).permutation(n), rl.minibatches)
+    for batch, rows in zip(got, order, strict=True):
+        assert set(batch) == set(want)
+        for key, value in want.items():
+            if key == "advantages":  # float64 NumPy here, float32 in the recipe: to rounding
+                np.testing.assert_allclose(np.asarray(batch[key]), value[rows], rtol=1e-6, err_msg=key)
+            else:
+                np.testing.assert_array_equal(np.asarray(batch[key]), value[rows], err_msg=key)
+    assert np.ptp(reward) > 0  # the advantages are not all zero

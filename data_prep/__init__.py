@@ -9,7 +9,7 @@ Stages (one module each, data flowing left to right):
     report                     statistics and the run summary
     sft, preferences           chat (SFT) and preference-pair data: JSONL -> token ids with loss masks
     rl_tasks                   the RL demo's verifiable task, generated offline
-    agent_tasks                the agentic RL demo's task (4-digit x 2-digit, answered with the calculator tool)
+    agent_tasks                the agentic RL demo's tasks: products for the calculator, a document store to look up
     passkey                    synthetic passkey retrieval cases (a context length x needle depth grid), offline
     sample, sample_chats, sample_preferences   the embedded sample corpus, chats and preference pairs
     policy_preferences         preference pairs from a policy's own samples, labelled (`policy-preferences`)

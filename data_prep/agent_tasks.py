@@ -1,7 +1,10 @@
-"""The agentic RL demo's task, generated offline: a 4-digit number times a 2-digit one, which a tiny model cannot
-compute but can answer with the calculator tool by copying digits (docs/rl.md#agentic-rl).
+"""The agentic RL demo's tasks, generated offline (docs/rl.md#the-tool-only-task). `calc` (the default): a 4-digit
+number times a 2-digit one, which a tiny model cannot compute but can answer with the calculator tool by copying
+digits. `lookup`: a document store of parts and their box sizes, and questions only the store answers (the lookup
+environment's search and open tools).
 
     python -m data_prep.agent_tasks --out data/agent_calc
+    python -m data_prep.agent_tasks --task lookup --out data/agent_lookup
     python -m data_prep sft --input data/agent_calc/sft_chats.jsonl --tokenizer data/agent_calc/tokenizer.json \
         --out data/agent_calc/sft
 
@@ -16,6 +19,12 @@ writes into --out:
 The problems are the 9,000 * 90 = 810,000 pairs (a in [1000, 9999], b in [10, 99]); the three sets are drawn from
 them without replacement, so they are disjoint, and deterministic for a seed. With the defaults: 400 SFT traces,
 5,000 RL prompts, 500 held out.
+
+`lookup` writes documents.jsonl too: one {"id": "part-4821", "title": "Part 4821", "text": "Part 4821 ships in
+boxes of 37."} per part 1000..9999, the box sizes drawn with the seed (so no model knows them); questions "box size
+of part 4821?" with their answers; traces that search, open the right document and answer (the tools' replies are
+the lookup environment's own over that store). Run it with --config.rl.environment=lookup
+--config.rl.environment_store=<out>/documents.jsonl.
 """
 
 from __future__ import annotations
@@ -94,20 +103,69 @@ def write(out: str, seed: int = 0, heldout: int = 500, sft: int = 400, train: in
     return {"sft": len(sft_set), "train": len(train_set), "heldout": len(heldout_set)}
 
 
+# --- lookup ---------------------------------------------------------------------------------------------------
+
+PARTS = range(1000, 10_000)
+
+
+def documents(seed: int) -> list[dict[str, str]]:
+    sizes = random.Random(f"{seed}-sizes")
+    return [{"id": f"part-{n}", "title": f"Part {n}", "text": f"Part {n} ships in boxes of {sizes.randint(2, 99)}."}
+            for n in PARTS]
+
+
+def lookup_trace(env: environments.Environment, part: int, answer: str) -> dict[str, object]:
+    """Search for the part, open its document, answer: each tool turn is what `env` (over the store) replies."""
+    item = {"prompt": f"box size of part {part}?", "answer": answer}
+    messages: list[dict[str, object]] = [{"role": "user", "content": item["prompt"]}]
+    for name, arguments in (("search", {"query": f"part {part}"}), ("open", {"id": f"part-{part}"})):
+        messages.append({"role": "assistant", "content": "",
+                         "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]})
+        messages.append({"role": "tool", "content": env.call(environments.ToolCall(name, arguments), item)})
+    if f"boxes of {answer}." not in messages[-1]["content"]:
+        raise AssertionError(f"the lookup environment's document for part {part} does not hold {answer}")
+    messages.append({"role": "assistant", "content": answer})
+    return {"messages": messages, "enable_thinking": False}
+
+
+def write_lookup(out: str, seed: int = 0, heldout: int = 500, sft: int = 400, train: int = 5000) -> dict[str, int]:
+    if min(heldout, sft, train) < 0 or heldout + sft + train > len(PARTS):
+        raise ValueError(f"--heldout {heldout} --sft {sft} --train {train}: each must be >= 0 and together at most "
+                         f"{len(PARTS):,} (the number of parts)")
+    docs = documents(seed)
+    os.makedirs(out, exist_ok=True)
+    store = os.path.join(out, "documents.jsonl")
+    atomic.write_text(store, _jsonl(docs))
+    env = environments.resolve("lookup", store=store)
+    answers = {int(d["id"][5:]): d["text"].rsplit(" ", 1)[1].rstrip(".") for d in docs}
+    drawn = random.Random(seed).sample(list(PARTS), heldout + sft + train)
+    sft_set, train_set, heldout_set = drawn[heldout:heldout + sft], drawn[heldout + sft:], drawn[:heldout]
+    info = tokenizer.trained([d["text"] for d in docs[:100]], len(tokenizer.ADDED_TOKENS) + 256)
+    atomic.write_text(os.path.join(out, "tokenizer.json"), info.json)
+    atomic.write_text(os.path.join(out, "sft_chats.jsonl"), _jsonl([lookup_trace(env, n, answers[n]) for n in sft_set]))
+    for name, parts in (("prompts_train.jsonl", train_set), ("prompts_heldout.jsonl", heldout_set)):
+        atomic.write_text(os.path.join(out, name),
+                          _jsonl([{"prompt": f"box size of part {n}?", "answer": answers[n]} for n in parts]))
+    return {"sft": len(sft_set), "train": len(train_set), "heldout": len(heldout_set), "documents": len(docs)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m data_prep.agent_tasks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="data/agent_calc")
+    p.add_argument("--task", choices=("calc", "lookup"), default="calc")
+    p.add_argument("--out", default="", help="default data/agent_<task>")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sft", type=int, default=400, help="tool-use traces in sft_chats.jsonl")
     p.add_argument("--train", type=int, default=5000, help="RL prompts")
     p.add_argument("--heldout", type=int, default=500, help="held-out problems")
     args = p.parse_args(argv)
     try:
-        counts = write(args.out, args.seed, args.heldout, args.sft, args.train)
+        out = args.out or f"data/agent_{args.task}"
+        counts = (write if args.task == "calc" else write_lookup)(out, args.seed, args.heldout, args.sft, args.train)
     except ValueError as e:
         p.error(str(e))
-    print(f"{counts['sft']} SFT traces, {counts['train']} RL prompts, {counts['heldout']} held-out -> {args.out}")
+    store = f", {counts['documents']:,} documents" if "documents" in counts else ""
+    print(f"{counts['sft']} SFT traces, {counts['train']} RL prompts, {counts['heldout']} held-out{store} -> {out}")
     return 0
 
 

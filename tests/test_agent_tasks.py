@@ -150,3 +150,48 @@ def test_the_mask_trains_the_call_and_the_answer_not_the_tool_response(task):
         between = enc.ids[runs[0][1]:runs[1][0]]  # everything between the two trained runs: none of it trained
         assert decode(between) == response
         assert len(between) == len(tok.encode(response, add_special_tokens=False).ids)
+
+
+# --- the lookup task ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lookup(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("agent_lookup"))
+    assert agent_tasks.main(["--task", "lookup", "--out", out, "--sft", "40", "--train", "100", "--heldout", "20"]) == 0
+    return out
+
+
+def test_lookup_traces_are_the_lookup_environments_answers_over_the_written_store(lookup, tmp_path):
+    """The store parses (one document per part); each trace searches, opens the part's document and answers what
+    that document says (read back here with a regex), every tool turn being what the lookup environment over the
+    written store replies to the call; the sets are disjoint; the traces go through `data_prep sft` whole."""
+    store = os.path.join(lookup, "documents.jsonl")
+    docs = environments.read_store(store)
+    assert len(docs) == 9000
+    env = environments.resolve("lookup", store=store)
+    text = re.compile(r"Part (\d+) ships in boxes of (\d+)\.")
+    sizes = {int(m.group(1)): m.group(2) for m in (text.fullmatch(d["text"]) for d in docs.values())}
+    traces = _rows(os.path.join(lookup, "sft_chats.jsonl"))
+    sets = [traces] + [_rows(os.path.join(lookup, f)) for f in ("prompts_train.jsonl", "prompts_heldout.jsonl")]
+    prompts = [[t["messages"][0]["content"] for t in traces]] + [[it["prompt"] for it in s] for s in sets[1:]]
+    assert [len(p) for p in prompts] == [40, 100, 20] and len({q for p in prompts for q in p}) == 160
+    for items in sets[1:]:
+        for it in items:
+            assert it["answer"] == sizes[int(re.fullmatch(r"box size of part (\d+)\?", it["prompt"]).group(1))]
+    for t in traces:
+        msgs = chat.parse_messages(t["messages"], "trace")
+        part = int(re.fullmatch(r"box size of part (\d+)\?", msgs[0]["content"]).group(1))
+        calls = [m for m in msgs if m.get("tool_calls")]
+        assert [c["tool_calls"][0]["function"]["name"] for c in calls] == ["search", "open"]
+        for call, reply in zip(calls, [m for m in msgs if m["role"] == "tool"], strict=True):
+            fn = call["tool_calls"][0]["function"]
+            assert reply["content"] == env.call(environments.ToolCall(fn["name"], fn["arguments"]), {})
+        assert msgs[-1]["content"] == sizes[part]
+        assert rewards.exact_answer(msgs[-1]["content"], {"answer": sizes[part]}) == 1.0
+    out = str(tmp_path / "sft")
+    assert data_cli.main(["sft", "--input", os.path.join(lookup, "sft_chats.jsonl"), "--tokenizer",
+                          os.path.join(lookup, "tokenizer.json"), "--out", out, "--heldout-fraction", "0.1",
+                          "--max-len", "256"]) == 0
+    with open(os.path.join(out, "metadata.json"), encoding="utf-8") as f:
+        meta = json.load(f)
+    assert meta["conversations"]["valid"] == 40 and meta["truncation"]["samples_dropped"] == 0

@@ -391,3 +391,17 @@ def test_synchronous_rollouts_are_grpo_as_it_was(tmp_path, mesh1):
             else:
                 np.testing.assert_array_equal(np.asarray(batch[key]), value[rows], err_msg=key)
     assert np.ptp(reward) > 0  # the advantages are not all zero
+
+
+def test_the_first_prompt_lists_the_tools_or_leaves_them_to_fine_tuning(tok):
+    """rl.list_tools: the environment's system turn and its tools' schemas as GLM's template lists them (the same
+    text chat.render writes for those messages and tools); off: the user turn alone."""
+    env = envs.resolve("calculator")
+    item = {"prompt": "12*34", "answer": "408"}
+    listed = ep.first_prompt(tok, env, item, list_tools=True)
+    messages, tools = env.start(item)
+    text = tok.decode(listed, skip_special_tokens=False)
+    assert text == chat.render(messages, tools=tools, add_generation_prompt=True, enable_thinking=False)
+    assert '"name": "calculate"' in text and env.system in text
+    bare = tok.decode(ep.first_prompt(tok, env, item, list_tools=False), skip_special_tokens=False)
+    assert bare == "[gMASK]<sop><|user|>\n12*34/nothink<|assistant|>\n<think></think>"

@@ -9,7 +9,8 @@ environment's search and open tools).
         --out data/agent_calc/sft
 
 writes into --out:
-  tokenizer.json          byte-level with GLM's chat tokens and no merges (digits are one token each)
+  tokenizer.json          byte-level with GLM's chat tokens and no merges (digits are one token each), or a copy of
+                          --tokenizer (e.g. make train's, to fine-tune that model)
   sft_chats.jsonl         tool-use traces (thinking off): user "4821*73", an assistant turn calling `calculate` with
                           {"expression": "4821*73"}, the tool turn with what the "calculator" environment answers,
                           then the assistant's "351933". No system prompt and no tool schemas: SFT teaches the tool,
@@ -35,7 +36,9 @@ import os
 import random
 
 from data_prep import tokenizer
-from glm46_jax import atomic
+from glm46_jax import atomic, cli
+from glm46_jax.errors import InputError
+from glm46_jax.interop import chat
 from glm46_jax.recipes.rl import environments
 
 A_RANGE = range(1000, 10_000)  # the first operand: 4 digits
@@ -90,13 +93,27 @@ def _jsonl(rows: list[dict[str, object]]) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 
 
-def write(out: str, seed: int = 0, heldout: int = 500, sft: int = 400, train: int = 5000) -> dict[str, int]:
+def tokenizer_text(tokenizer_json: str | None) -> str:
+    """What <out>/tokenizer.json holds: a copy of `tokenizer_json` (it must have GLM's chat tokens), else the smallest
+    vocabulary: the special and chat tokens and the 256 bytes, no merges (the same file data_prep.rl_tasks writes)."""
+    if tokenizer_json is None:
+        text = tokenizer.trained([], len(tokenizer.ADDED_TOKENS) + 256).json
+    elif not os.path.isfile(tokenizer_json):
+        raise ValueError(f"--tokenizer {tokenizer_json}: no such file")
+    else:
+        info = tokenizer.load(tokenizer_json)
+        if not chat.has_chat_tokens(tokenizer.encoder(info)):
+            raise ValueError(f"--tokenizer {tokenizer_json}: it has no GLM chat tokens; use data_prep's (make train's)")
+        text = info.json
+    return text
+
+
+def write(out: str, seed: int = 0, heldout: int = 500, sft: int = 400, train: int = 5000,
+          tokenizer_json: str | None = None) -> dict[str, int]:
     sft_set, train_set, heldout_set = split(seed, heldout, sft, train)
+    vocab = tokenizer_text(tokenizer_json)
     os.makedirs(out, exist_ok=True)
-    # The smallest vocabulary: the special and chat tokens and the 256 bytes, no merges (so the texts it sees do
-    # not change it: the same file as data_prep.rl_tasks writes).
-    info = tokenizer.trained([f"{a}*{b}={a * b}" for a, b in sft_set], len(tokenizer.ADDED_TOKENS) + 256)
-    atomic.write_text(os.path.join(out, "tokenizer.json"), info.json)
+    atomic.write_text(os.path.join(out, "tokenizer.json"), vocab)
     atomic.write_text(os.path.join(out, "sft_chats.jsonl"), _jsonl([trace(a, b) for a, b in sft_set]))
     atomic.write_text(os.path.join(out, "prompts_train.jsonl"), _jsonl([item(a, b) for a, b in train_set]))
     atomic.write_text(os.path.join(out, "prompts_heldout.jsonl"), _jsonl([item(a, b) for a, b in heldout_set]))
@@ -128,11 +145,12 @@ def lookup_trace(env: environments.Environment, part: int, answer: str) -> dict[
     return {"messages": messages, "enable_thinking": False}
 
 
-def write_lookup(out: str, seed: int = 0, heldout: int = 500, sft: int = 400, train: int = 5000) -> dict[str, int]:
+def write_lookup(out: str, seed: int = 0, heldout: int = 500, sft: int = 400, train: int = 5000,
+                 tokenizer_json: str | None = None) -> dict[str, int]:
     if min(heldout, sft, train) < 0 or heldout + sft + train > len(PARTS):
         raise ValueError(f"--heldout {heldout} --sft {sft} --train {train}: each must be >= 0 and together at most "
                          f"{len(PARTS):,} (the number of parts)")
-    docs = documents(seed)
+    docs, vocab = documents(seed), tokenizer_text(tokenizer_json)
     os.makedirs(out, exist_ok=True)
     store = os.path.join(out, "documents.jsonl")
     atomic.write_text(store, _jsonl(docs))
@@ -140,8 +158,7 @@ def write_lookup(out: str, seed: int = 0, heldout: int = 500, sft: int = 400, tr
     answers = {int(d["id"][5:]): d["text"].rsplit(" ", 1)[1].rstrip(".") for d in docs}
     drawn = random.Random(seed).sample(list(PARTS), heldout + sft + train)
     sft_set, train_set, heldout_set = drawn[heldout:heldout + sft], drawn[heldout + sft:], drawn[:heldout]
-    info = tokenizer.trained([d["text"] for d in docs[:100]], len(tokenizer.ADDED_TOKENS) + 256)
-    atomic.write_text(os.path.join(out, "tokenizer.json"), info.json)
+    atomic.write_text(os.path.join(out, "tokenizer.json"), vocab)
     atomic.write_text(os.path.join(out, "sft_chats.jsonl"), _jsonl([lookup_trace(env, n, answers[n]) for n in sft_set]))
     for name, parts in (("prompts_train.jsonl", train_set), ("prompts_heldout.jsonl", heldout_set)):
         atomic.write_text(os.path.join(out, name),
@@ -150,24 +167,27 @@ def write_lookup(out: str, seed: int = 0, heldout: int = 500, sft: int = 400, tr
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m data_prep.agent_tasks", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(prog="python -m data_prep.agent_tasks", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=("calc", "lookup"), default="calc")
     p.add_argument("--out", default="", help="default data/agent_<task>")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sft", type=int, default=400, help="tool-use traces in sft_chats.jsonl")
     p.add_argument("--train", type=int, default=5000, help="RL prompts")
     p.add_argument("--heldout", type=int, default=500, help="held-out problems")
+    p.add_argument("--tokenizer", default=None, help="copy this tokenizer.json (e.g. make train's run's) instead of "
+                                                     "writing the byte-level one")
     args = p.parse_args(argv)
     try:
         out = args.out or f"data/agent_{args.task}"
-        counts = (write if args.task == "calc" else write_lookup)(out, args.seed, args.heldout, args.sft, args.train)
+        counts = (write if args.task == "calc" else write_lookup)(out, args.seed, args.heldout, args.sft, args.train,
+                                                                  args.tokenizer)
     except ValueError as e:
-        p.error(str(e))
+        raise InputError(str(e)) from e
     store = f", {counts['documents']:,} documents" if "documents" in counts else ""
     print(f"{counts['sft']} SFT traces, {counts['train']} RL prompts, {counts['heldout']} held-out{store} -> {out}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli.main_guard(main)

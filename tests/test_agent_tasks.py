@@ -195,3 +195,25 @@ def test_lookup_traces_are_the_lookup_environments_answers_over_the_written_stor
     with open(os.path.join(out, "metadata.json"), encoding="utf-8") as f:
         meta = json.load(f)
     assert meta["conversations"]["valid"] == 40 and meta["truncation"]["samples_dropped"] == 0
+
+
+def test_a_given_tokenizer_is_copied_and_bad_input_is_one_line(task, tmp_path):
+    """--tokenizer copies that file byte for byte (make train's, to fine-tune that model); a missing tokenizer, sizes
+    past the problems and an unknown flag are one error line each, exit 2, nothing written."""
+    import subprocess
+    import sys
+
+    given = os.path.join(task, "tokenizer.json")
+    out = str(tmp_path / "copied")
+    assert agent_tasks.main(["--out", out, "--sft", "2", "--train", "2", "--heldout", "2", "--tokenizer", given]) == 0
+    with open(given, "rb") as a, open(os.path.join(out, "tokenizer.json"), "rb") as b:
+        assert a.read() == b.read()
+    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    for flags, says in ((["--tokenizer", str(tmp_path / "none.json")], "none.json: no such file"),
+                        (["--heldout", "900000"], "together at most 810,000"),
+                        (["--bogus"], "unrecognized arguments: --bogus")):
+        done = subprocess.run([sys.executable, "-m", "data_prep.agent_tasks", "--out", str(tmp_path / "bad"), *flags],
+                              cwd=root, capture_output=True, text=True, check=False)
+        err = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(err) == 1 and says in err[0], (done.returncode, done.stderr)
+    assert not os.path.exists(tmp_path / "bad")

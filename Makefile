@@ -156,7 +156,7 @@ $(SAMPLE_SFT)/metadata.json: | $(VENV)/.installed $(SAMPLE)/metadata.json
 	$(PY) -m data_prep sample-sft --tokenizer $(SAMPLE)/tokenizer.json --out $(SAMPLE_SFT)
 
 runs/tiny/status.json:
-	@echo "make sft fine-tunes make train's run (runs/tiny): run make train first" >&2; exit 1
+	@echo "make sft and make agent fine-tune make train's run (runs/tiny): run make train first" >&2; exit 1
 
 sft: $(VENV)/.installed $(SAMPLE_SFT)/metadata.json runs/tiny/status.json
 	$(PY) -m glm46_jax.train --config=configs/sft.py:tiny $(ARGS)
@@ -181,12 +181,13 @@ rl: runs/sft_rl_addition/status.json
 	  print(f"held-out exact-match accuracy on {n} problems (greedy): {a:.3f} +- {se(a):.3f} before GRPO -> " \
 	        f"{b:.3f} +- {se(b):.3f} after ({b - a:+.3f})")'
 
-# The agentic RL demo (docs/rl.md#agentic-rl): the tool-only task (offline, seconds), SFT from random weights on its
-# tool-use traces, then agentic GRPO with the calculator tool, and the same GRPO with every tool call refused.
+# The agentic RL demo (docs/rl.md#agentic-rl): the tool-only task (offline, seconds, in make train's tokenizer), SFT of
+# make train's model on its tool-use traces, then agentic GRPO with the calculator tool, and the same GRPO with every
+# tool call refused.
 AGENT_DATA := data/agent_calc
 
-$(AGENT_DATA)/sft/metadata.json: | $(VENV)/.installed
-	$(PY) -m data_prep.agent_tasks --out $(AGENT_DATA)
+$(AGENT_DATA)/sft/metadata.json: | $(VENV)/.installed runs/tiny/status.json
+	$(PY) -m data_prep.agent_tasks --out $(AGENT_DATA) --tokenizer runs/tiny/tokenizer.json
 	$(PY) -m data_prep sft --input $(AGENT_DATA)/sft_chats.jsonl --tokenizer $(AGENT_DATA)/tokenizer.json \
 	  --out $(AGENT_DATA)/sft --heldout-fraction 0.05 --max-len 96
 
@@ -196,7 +197,7 @@ runs/sft_agent_calc/status.json: | $(AGENT_DATA)/sft/metadata.json
 agent: runs/sft_agent_calc/status.json
 	$(PY) -m glm46_jax.train --config=configs/grpo.py:agent $(ARGS)
 	$(PY) -m glm46_jax.train --config=configs/grpo.py:agent --config.rl.environment=none \
-	  --config.run_dir=runs/grpo_agent_no_tools $(ARGS)
+	  --config.rl.max_prompt_len=104 --config.run_dir=runs/grpo_agent_no_tools $(ARGS)  # room to answer after a refusal
 	@$(PY) -c 'import json; se = lambda p, n: (p * (1 - p) / n) ** 0.5; \
 	  line = lambda how, a, b, n: f"held-out success on {n} problems (greedy), {how}: {a:.3f} +- {se(a, n):.3f} " \
 	    f"before agentic GRPO -> {b:.3f} +- {se(b, n):.3f} after ({b - a:+.3f})"; \

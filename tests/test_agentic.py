@@ -97,7 +97,8 @@ def test_tool_turns_carry_no_loss_against_the_rendered_conversation(tok, monkeyp
     episodes, fake = run(tok, monkeypatch, {"4821*73": [(call_turn("4821*73"), chat.OBSERVATION),
                                                         ("\n351933", chat.USER)]})
     (e,) = episodes
-    assert (e.reward, e.turns, e.tool_calls, e.tool_errors, e.ended, e.answer) == (1.0, 2, 1, 0, "answer", "\n351933")
+    assert (e.reward, e.turns, e.tool_calls, e.tool_errors, e.observations, e.ended, e.answer) == (
+        1.0, 2, 1, 0, 1, "answer", "\n351933")
     conversation = [{"role": "user", "content": "4821*73"},
                     {"role": "assistant", "content": "", "tool_calls": [
                         {"function": {"name": "calculate", "arguments": {"expression": "4821*73"}}}]},
@@ -162,7 +163,7 @@ def test_tool_failures_are_observations(tok, monkeypatch):
         text = tok.decode(e.trajectory.tokens, skip_special_tokens=False)
         response = text.split("<tool_response>\n")[1].split("\n</tool_response>")[0]
         assert response.startswith("error:") and words in response, (words, response)
-        assert (e.ended, e.reward, e.tool_errors) == ("answer", 1.0, 1)
+        assert (e.ended, e.reward, e.tool_errors, e.observations) == ("answer", 1.0, 1, 1)
 
 
 def test_truncated_importance_by_hand():
@@ -248,10 +249,12 @@ def test_kill_9_mid_episode_then_resume_loses_no_step(tmp_path):
 
 @pytest.mark.slow
 def test_agentic_grpo_raises_heldout_success_across_seeds(tmp_path_factory):
-    """make agent's stages: the tool-only task, SFT on its 400 traces (configs/sft.py:agent_calc), then agentic GRPO
-    with the calculator (configs/grpo.py:agent), 3 RL seeds: greedy held-out success on 200 problems rises by more
-    than 2 binomial standard errors of the start on average, and no seed loses more than one (docs/rl.md#agentic-rl).
-    Without tools the same SFT model solves none (rl.environment=none; measured, not run here)."""
+    """make agent's stages: the tool-only task, SFT on its 400 traces (configs/sft.py:agent_calc, here from random
+    weights for 200 steps: make agent fine-tunes make train's model, a pretraining CI has no time for), then agentic
+    GRPO with the calculator (configs/grpo.py:agent), 3 RL seeds: greedy held-out success on 200 problems rises by
+    more than 2 binomial standard errors of the start on average, and no seed loses more than one
+    (docs/rl.md#agentic-rl). Without tools the same SFT model solves none (rl.environment=none; measured, not run
+    here)."""
     from data_prep import agent_tasks
     from data_prep import cli as data_cli
     from glm46_jax import run_config, train
@@ -278,8 +281,9 @@ def test_agentic_grpo_raises_heldout_success_across_seeds(tmp_path_factory):
 
     gains = []
     with optimized():  # the RL runs execute their programs far more than they compile them
-        train.train(run_config.from_config_dict(config("sft.py", "agent_calc", run_dir=str(root / "sft"),
-                                                       sft={"root": os.path.join(data, "sft")})), jax.devices()[:1])
+        sft = config("sft.py", "agent_calc", run_dir=str(root / "sft"), sft={"root": os.path.join(data, "sft")},
+                     checkpoint={"init_from": ""}, train={"steps": 200})
+        train.train(run_config.from_config_dict(sft), jax.devices()[:1])
         for seed in range(3):
             c = config("grpo.py", "agent", run_dir=str(root / f"grpo_{seed}"), train={"seed": seed},
                        checkpoint={"init_from": str(root / "sft")},

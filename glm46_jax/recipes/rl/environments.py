@@ -115,7 +115,7 @@ class ToolEnvironment:
         tool = next((t for t in self.tools if t.name == call.name), None)
         if tool is None:
             if not self.tools:
-                return f"error: no tool {call.name!r}: this episode has no tools; answer directly"
+                return "error: no tools here; answer directly"
             return f"error: no tool {call.name!r}; the tools are {', '.join(t.name for t in self.tools)}"
         missing = [k for k in tool.parameters if k not in call.arguments]
         extra = [k for k in call.arguments if k not in tool.parameters]

@@ -48,6 +48,7 @@ class Episode:
     turns: int  # model turns
     tool_calls: int
     tool_errors: int  # observations that are errors (a malformed call, an unknown tool, a failing program, ...)
+    observations: int  # the tool answers shown (one per call, or one error for a turn without a valid call)
     ended: str  # one of ENDINGS
     answer: str  # the final turn's text, its stop token dropped ("" when a budget ended the episode)
 
@@ -74,6 +75,7 @@ class _Running:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    observations: int = 0
     ended: str = ""
     answer: str = ""
     reward: float = 0.0
@@ -87,7 +89,8 @@ class _Running:
         routing = np.concatenate(self.routing) if self.routing else None
         trajectory = Trajectory(self.tokens, np.asarray(self.generated, bool), np.asarray(self.logprobs, np.float32),
                                 routing)
-        return Episode(trajectory, self.reward, self.turns, self.tool_calls, self.tool_errors, self.ended, self.answer)
+        return Episode(trajectory, self.reward, self.turns, self.tool_calls, self.tool_errors, self.observations,
+                       self.ended, self.answer)
 
 
 def run_episodes(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, env: Environment, tok: Tokenizer,
@@ -134,6 +137,7 @@ def run_episodes(graphdef: nnx.GraphDef, params: nnx.State, buffers: nnx.State, 
             results = observations(env, calls, NO_CALL if not calls and error is None else error, item)
             r.tool_calls += len(calls)
             r.tool_errors += sum(x.startswith("error:") for x in results)
+            r.observations += len(results)
             ids = chat.encode_tool_turn(tok, results, enable_thinking=enable_thinking).tolist()
             if turn + 1 == max_turns:
                 r.ended = "turns"
@@ -152,6 +156,6 @@ def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
     calls = sum(e.tool_calls for e in episodes)
     stats = {"turns": float(np.mean([e.turns for e in episodes])),
              "tool_calls": calls / len(episodes),
-             "tool_error_frac": sum(e.tool_errors for e in episodes) / max(calls, 1)}
+             "tool_error_frac": sum(e.tool_errors for e in episodes) / max(sum(e.observations for e in episodes), 1)}
     stats.update({f"ended_{how}": float(np.mean([e.ended == how for e in episodes])) for how in ENDINGS})
     return stats

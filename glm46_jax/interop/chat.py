@@ -420,17 +420,18 @@ def encode_prompt(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *
                   tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = True,
                   enable_thinking: bool = True) -> Int[np.ndarray, " seq"]:
     """int32 token ids of `render_chat(...)` (an HF dir's template if given), ready to generate from."""
-    text = render_chat(messages, template=template, tools=tools, add_generation_prompt=add_generation_prompt,
-                       enable_thinking=enable_thinking)
-    tok = _chat_tokenizer(tokenizer)
-    _check_chat_tokens(tok, text)
-    return np.asarray(tok.encode(text, add_special_tokens=False).ids, np.int32)
+    return _ids(tokenizer, render_chat(messages, template=template, tools=tools,
+                                       add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking))
 
 
 def encode_tool_turn(tokenizer: Tokenizer, results: Sequence[str], *, enable_thinking: bool = True
                      ) -> Int[np.ndarray, " seq"]:
     """int32 token ids of `tool_turn(results)`: what an agentic rollout appends after the model's <|observation|>."""
-    text = tool_turn(results, enable_thinking=enable_thinking)
+    return _ids(tokenizer, tool_turn(results, enable_thinking=enable_thinking))
+
+
+def _ids(tokenizer: Tokenizer, text: str) -> Int[np.ndarray, " seq"]:
+    # Chat text as int32 ids, its markup read as the chat tokens it must be.
     tok = _chat_tokenizer(tokenizer)
     _check_chat_tokens(tok, text)
     return np.asarray(tok.encode(text, add_special_tokens=False).ids, np.int32)

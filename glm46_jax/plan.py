@@ -126,7 +126,9 @@ class PlanResult:
     device_memory: int | None = None
     pipeline: PipelinePlan | None = None
     offload: str = "none"  # optim.offload (training/offload.py): what lives in host memory between steps
-    largest_opt_leaf: int = 0  # one leaf's optimizer state (and master weights): an offloaded update's device share
+    # an offloaded update's device share: the largest piece it streams in (training/streamed.py), its optimizer state
+    # (and master weights): one layer of a stack, or every leaf outside the streamed stacks
+    streamed_piece: int = 0
     host_params: int = 0  # the master weights, when offloaded (`params` is then the device's compute copy)
 
     @property
@@ -145,9 +147,8 @@ class PlanResult:
 
     @property
     def total(self) -> int:
-        """Device memory per device; an offloaded update streams one leaf's state at a time (an estimate: XLA
-        schedules the transfers)."""
-        streamed = self.largest_opt_leaf if self.offload != "none" else 0
+        """Device memory per device; an offloaded update streams its state in pieces (training/streamed.py)."""
+        streamed = self.streamed_piece if self.offload != "none" else 0
         return self.static + self.gathered_weights + self.activations.total + streamed
 
     @property
@@ -241,7 +242,7 @@ class PlanResult:
         row(f"optimizer: Muon momentum (fp32{where})", self.muon_momentum)
         row(f"optimizer: AdamW moments (2 x fp32{where})", self.adam_moments)
         if self.offload != "none":
-            row("  one leaf's update streamed in", self.largest_opt_leaf)
+            row("  the largest piece of the update streamed in", self.streamed_piece)
         row("buffers (correction bias)", self.buffers)
         row("gathered weights (estimate)", self.gathered_weights)
         row(f"activations (estimate, remat={self.remat})", act.total)
@@ -311,7 +312,9 @@ def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None
     params, buffers = _abstract_model(cfg, sizes["tensor"], sizes["pipeline"])
     fsdp = {a for name in sharding.FSDP_LOGICAL for a in sharding.mesh_axes(name)}
 
-    param_bytes = device_params = muon = adam = n_muon = n_adam = unique = largest_opt = 0
+    param_bytes = device_params = muon = adam = n_muon = n_adam = unique = 0
+    pp = pipeline_plan(cfg, sizes, micro_batch, seq_len)
+    pieces: dict[str, int] = {}  # the streamed update's pieces: "" the leaves outside the streamed stacks
     masters_on_host = offload == "optimizer_and_params"
     layer_gathered: dict[str, int] = {}  # one layer of each stack (and the MTP layer), compute layout
     head_gathered = 0  # embedding + lm_head, live from the first layer to the MTP logits
@@ -330,8 +333,11 @@ def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None
             muon, n_muon = muon + local * _OPT_BYTES, n_muon + size
         else:
             adam, n_adam = adam + 2 * local * _OPT_BYTES, n_adam + size
-        # what one leaf's offloaded update brings to the device: its state (and its master weights)
-        largest_opt = max(largest_opt, local * (moments * _OPT_BYTES + (itemsize if masters_on_host else 0)))
+        # what the streamed update brings to the device for this leaf: its state (and its master weights), a layer
+        # at a time for a stack whose layer axis is not split over pipeline stages (training/streamed.py)
+        brought = local * (moments * _OPT_BYTES + (itemsize if masters_on_host else 0))
+        piece = names[0] if names[0] in LAYER_STACKS and not (names[0] == "moe_layers" and pp is not None) else ""
+        pieces[piece] = pieces.get(piece, 0) + (brought // x.shape[0] if piece else brought)
         gathered = shard_elements(x, sizes, drop_axes=fsdp, skip_leading=names[0] in LAYER_STACKS)
         gathered *= on_device
         if names[0] in ("embed_tokens", "lm_head"):
@@ -344,7 +350,6 @@ def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None
     # whole step; one layer's gathered weights and gradients at a time. Without remat the backward
     # keeps every layer's gathered weights (in the compute dtype) as residuals of its matmuls.
     largest = max(layer_gathered.values(), default=0)
-    pp = pipeline_plan(cfg, sizes, micro_batch, seq_len)
     gathered_weights = 2 * (head_gathered + largest)
     if remat == "none":
         ratio = np.dtype(cfg.dtype).itemsize / np.dtype(cfg.param_dtype).itemsize
@@ -360,7 +365,7 @@ def plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, devices: int | None
         activations=activation_estimate(cfg, sizes, micro_batch, seq_len, remat),
         counts=param_counts(cfg), muon_params=n_muon, adam_params=n_adam, unique_params_bytes=unique,
         matmul_params_per_token=matmul_params_per_token(cfg), flops_per_token=flops_per_token(cfg, seq_len),
-        device_memory=device_memory, pipeline=pp, offload=offload, largest_opt_leaf=largest_opt,
+        device_memory=device_memory, pipeline=pp, offload=offload, streamed_piece=max(pieces.values()),
         host_params=param_bytes if masters_on_host else 0)
 
 

@@ -7,6 +7,7 @@
     optim        clip -> Muon for hidden matrices, AdamW for the rest, under an lr schedule
     muon         Muon's update (Newton-Schulz orthogonalisation)
     offload      the optimizer state (and master weights) in host memory between steps (optim.offload)
+    streamed     the offloaded update, one layer of each stack at a time
     balancing    loss-free load balancing and load statistics
     checkpoint   Orbax checkpoints: save, resume, start from another run's weights
 

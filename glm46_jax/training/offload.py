@@ -6,10 +6,9 @@
 
 The state's arrays keep their shardings and only change memory kind (`pinned_host`: page-locked, so the
 transfers are DMA). The step (training/step.py) needs no setting: inside jit an array's type says which memory it
-lives in, so `fetch` moves the host-resident leaves to the device before the optimizer reads them and
-`store_like` returns the new state to the memory each leaf came from. XLA schedules the transfers; each leaf's
-device copy is needed only for its own update, which lets the scheduler stream them instead of holding the whole
-state at once. Nothing here changes a number: the same update runs on the same values.
+lives in, so `fetch` moves the host-resident leaves to the device before they are read and `store_like` returns
+the new state to the memory each leaf came from. The update brings the state in one layer at a time
+(training/streamed.py). Nothing here changes a number: the same update runs on the same values.
 
 "optimizer_and_params" also keeps the (fp32) master weights on the host. The forward and backward then run on
 `compute_copy`: the weights the model only reads cast to its compute dtype (`paths.COMPUTE_CAST`) come to the

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -33,6 +33,7 @@ from glm46_jax.model.pipeline import Layout, mesh_stages
 from glm46_jax.training.muon import NS_DTYPES, scale_by_consistent_rms, scale_by_muon
 from glm46_jax.training.offload import OFFLOAD
 from glm46_jax.training.schedule import SCHEDULES, Schedule, scale_by_schedule
+from glm46_jax.training.streamed import LayerStreamed
 
 # --- the optimizer split (the plan tool counts optimizer state with it too) -----------------------
 
@@ -210,15 +211,19 @@ def muon_adamw(cfg: OptimConfig, schedule: Schedule, layout: Layout | None = Non
     )
 
 
-def layer_depths(tree, layout: Layout | None = None) -> Any:
+def layer_depths(tree, layout: Layout | None = None, piece: Mapping[str, Any] | None = None) -> Any:
     """Depth of every leaf for layer-wise lr decay: embedding 0, decoder layer i (dense first, then
     MoE, as in the model) i + 1, everything after the trunk (final norm, head, MTP) L + 1.
 
     Stacked leaves get a [layers] vector of depths (one per slice of their leading axis). `layout`: the MoE stack
     is stored in that pipeline's slot order (docs/pipeline.md#layout); each slot gets the depth of the layer it
     holds, identity padding slots the top's (their updates are zero), so the factors are the unpipelined model's.
+    `piece`: `tree` is a piece of the model's tree (training/streamed.py): "sizes" the stacks' whole lengths, and
+    for a slice of one stack its name ("stack") and the index of its first layer ("start").
     """
     def stack_size(name):
+        if piece is not None and name in piece["sizes"]:
+            return piece["sizes"][name]
         leaves = [x for p, x in jax.tree_util.tree_leaves_with_path(tree) if path_names(p)[0] == name]
         return leaves[0].shape[0] if leaves else 0
 
@@ -240,24 +245,29 @@ def layer_depths(tree, layout: Layout | None = None) -> Any:
         if name in LAYER_STACKS:
             first = 1 if name == "dense_layers" else 1 + n_dense
             if name == "moe_layers" and layout is not None:  # slot -> the layer it holds (padding: the top)
-                return jnp.asarray(first + np.minimum(layout.layer_of_slot(), layout.layers), jnp.float32)
-            return jnp.arange(first, first + x.shape[0], dtype=jnp.float32)
+                depths = jnp.asarray(first + np.minimum(layout.layer_of_slot(), layout.layers), jnp.float32)
+            else:
+                depths = jnp.arange(first, first + stack_size(name), dtype=jnp.float32)
+            if piece is not None and piece.get("stack") == name:  # a slice of the stack
+                return jax.lax.dynamic_slice_in_dim(depths, piece["start"], x.shape[0])
+            return depths
         return jnp.asarray(top, jnp.float32)
 
     return jax.tree_util.tree_map_with_path(depth, tree), top
 
 
-def scale_by_layer_decay(decay: float, layout: Layout | None = None) -> optax.GradientTransformation:
+def scale_by_layer_decay(decay: float, layout: Layout | None = None) -> optax.GradientTransformationExtraArgs:
     """Multiply each leaf's update by decay ** (L + 1 - depth) (`layer_depths`): the top of the model
     keeps the full lr, lower layers get geometrically less (ELECTRA/BEiT-style, for mid-training
     and fine-tuning). optax has no depth-aware scaling, hence this small transform. `layout`: the MoE stack is in
-    that pipeline's slot order (a mesh with `pipeline` > 1), depths still count in layer order."""
+    that pipeline's slot order (a mesh with `pipeline` > 1), depths still count in layer order. The extra argument
+    `layer_slice` says where a streamed piece of the tree sits (`layer_depths`' piece)."""
     if not 0 < decay <= 1:
         raise ValueError(f"layer_decay={decay}: expected 0 < layer_decay <= 1")
 
-    def update(updates, state, params=None):
-        del params
-        depths, top = layer_depths(updates, layout)
+    def update(updates, state, params=None, *, layer_slice=None, **extra):
+        del params, extra
+        depths, top = layer_depths(updates, layout, layer_slice)
 
         def scale(u, d):
             factor = jnp.power(jnp.float32(decay), top - d)
@@ -265,7 +275,7 @@ def scale_by_layer_decay(decay: float, layout: Layout | None = None) -> optax.Gr
 
         return jax.tree.map(scale, updates, depths), state
 
-    return optax.GradientTransformation(optax.init_empty_state, update)
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
 def _shardings(tree):
@@ -327,6 +337,9 @@ def _optimizer(cfg: OptimConfig, sharded: bool, skip_nonfinite: bool, layout: La
         inner = muon_adamw(cfg, schedule, layout)
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip), inner)
     tx = sharded_update(tx) if sharded else tx
+    skip = 2**31 - 2 if skip_nonfinite else None
     if skip_nonfinite:
-        tx = optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 2)
+        tx = optax.apply_if_finite(tx, max_consecutive_errors=skip)
+    if cfg.offload != "none":  # the train step streams the update layer by layer (training/streamed.py)
+        tx = LayerStreamed(tx.init, tx.update, inner, cfg.clip, sharded, skip)
     return tx, schedule

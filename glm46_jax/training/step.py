@@ -30,7 +30,7 @@ from jaxtyping import Array, Int
 
 from glm46_jax.config import ModelConfig
 from glm46_jax.model import pipeline
-from glm46_jax.training import balancing, offload
+from glm46_jax.training import balancing, offload, streamed
 from glm46_jax.training.loss import Batch, LossConfig, batch_norms, loss_fn
 from glm46_jax.training.schedule import Schedule
 
@@ -114,6 +114,13 @@ def _finite_state(opt_state) -> optax.ApplyIfFiniteState | None:
     return opt_state if isinstance(opt_state, optax.ApplyIfFiniteState) else None
 
 
+def _norm(updates: Any, squares: list[Array]) -> Array:
+    """The global norm of every model's updates: `updates`' whole trees and the streamed models' summed squares."""
+    if not squares:
+        return optax.tree.norm(updates)
+    return jnp.sqrt(jnp.square(optax.tree.norm(updates)) + sum(squares))
+
+
 def with_frozen(params: nnx.State, frozen: nnx.State | None) -> nnx.State:
     """The model's whole parameter state: the trained leaves and, when some are frozen, those too."""
     return params if frozen is None else nnx.merge_state(params, frozen)
@@ -151,6 +158,7 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
     if accum_steps < 1:
         raise ValueError(f"accum_steps={accum_steps}: must be >= 1")
     compute_dtypes = dict(compute_dtypes or {})
+    streams = {n for n, tx in txs.items() if isinstance(tx, streamed.LayerStreamed)}
     grad_fn = jax.value_and_grad(lambda p, fz, b, mb, ctx: loss(*whole_models(p, b, fz), mb, ctx), has_aux=True)
 
     def grads_and_metrics(params, frozen, buffers, batch, ctx):
@@ -176,26 +184,33 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
              ) -> tuple[TrainState, dict[str, Any]]:
         stored = {n: m.params for n, m in state.models(main).items()}  # the masters, where they live between steps
         # On the device: the optimizer state, and the weights as the forward reads them (training/offload.py)
+        # streamed: the update reads the state where it is stored, a layer at a time (training/streamed.py)
         models = {n: ModelState(offload.compute_copy(m.params, compute_dtypes.get(n)), m.buffers,
-                                offload.fetch(m.opt_state)) for n, m in state.models(main).items()}
+                                m.opt_state if n in streams else offload.fetch(m.opt_state))
+                  for n, m in state.models(main).items()}
         params = {n: m.params for n, m in models.items()}
         buffers = {n: m.buffers for n, m in models.items()}
         ctx = {**ctrl, **(batch_stats(batch) if batch_stats is not None else {})}  # of the whole batch
-        grads, metrics = grads_and_metrics(params, frozen, buffers, batch, ctx)
-        grads = {n: offload.like_masters(g, stored[n]) for n, g in grads.items()}
+        raw, metrics = grads_and_metrics(params, frozen, buffers, batch, ctx)
+        grads = {n: offload.like_masters(g, stored[n]) for n, g in raw.items()}
         # A loss spike poisons the gradient, so `apply_if_finite` skips and counts it like a NaN. A NaN/Inf
         # loss is one too: its gradient may still be finite (e.g. a non-finite term cut off by stop_gradient).
         spike = (metrics["loss"] > ctrl.get("max_loss", jnp.inf)) | ~jnp.isfinite(metrics["loss"])
         grad_norm = optax.tree.norm(grads)
         grads = jax.tree.map(lambda g: jnp.where(spike, jnp.nan, g), grads)
-        before = _finite_state(models[main].opt_state)
+        before = _finite_state(offload.fetch(state.models(main)[main].opt_state))  # its counts, on the device
         lr_inputs = ctrl.get("lr", {})
-        new, all_updates = {}, {}
+        new, all_updates, update_squares = {}, {}, []
         with jax.named_scope("optimizer"):  # clip, Muon/AdamW, the non-finite skip and the apply, in profiles
             for name, m in models.items():
                 # The lr schedule's numbers, when the controls carry them (the recipes' do), are inputs of the
                 # program, not constants in it (training/schedule.py).
                 extra = {"lr_inputs": lr_inputs[name]} if name in lr_inputs else {}
+                if name in streams:
+                    p, opt_state, sq = streamed.apply(txs[name], raw[name], spike, m.opt_state, stored[name], extra)
+                    new[name] = ModelState(p, m.buffers, opt_state)
+                    update_squares.append(sq)
+                    continue
                 tx = optax.with_extra_args_support(txs[name])
                 master = offload.masters(m.params, stored[name])
                 updates, opt_state = tx.update(grads[name], m.opt_state, master, **extra)
@@ -211,7 +226,7 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
             out.update(extra)
         n_params = sum(x.size for m in new.values() for x in jax.tree.leaves(m.params))
         out.update(grad_norm=grad_norm, spike=spike.astype(jnp.int32),
-                   update_rms=optax.tree.norm(all_updates) / jnp.sqrt(n_params))
+                   update_rms=_norm(all_updates, update_squares) / jnp.sqrt(n_params))
         if after is not None:
             out.update(skipped=1 - applied.astype(jnp.int32), nonfinite_in_a_row=after.notfinite_count,
                        nonfinite_total=after.total_notfinite)

@@ -1,16 +1,18 @@
-"""Host offload (training/offload.py): the optimizer state, and with it the master weights, in host memory between
-steps give bit-identical losses, parameters and optimizer state to the same run on the device, across a checkpoint
-and a resume; with a bf16 compute dtype the device's compute copy computes the same step; recipes whose other
-programs read the weights refuse the master-weights offload."""
+"""Host offload (training/offload.py, training/streamed.py): the optimizer state, and with it the master weights, in
+host memory between steps give bit-identical losses, parameters and optimizer state to the same run on the device,
+across a checkpoint and a resume; with a bf16 compute dtype the device's compute copy and the update streamed a layer
+at a time compute the same step; on meshes the streamed update equals the whole-tree update to float32 rounding;
+recipes whose other programs read the weights refuse the master-weights offload."""
 
 import dataclasses
 import json
 import math
 import os
-from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import init_placed
 from test_pipeline import _config_file
@@ -27,6 +29,8 @@ from glm46_jax.training.optim import OptimConfig, build_optimizer
 from glm46_jax.training.step import controls, init_state, make_train_step
 
 STEPS = 4
+# Muon + AdamW with layer-wise lr decay and a clip the tiny model's first gradients exceed: every part of the update
+STREAM_OPTIM = OptimConfig(lr=1e-2, warmup_steps=0, decay_steps=10, layer_decay=0.8, clip=0.5)
 
 
 def _losses(run_dir: str) -> dict[int, float]:
@@ -73,29 +77,39 @@ def test_offloaded_run_resumes_with_the_on_device_runs_numbers(on_device, mode, 
             np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"{tree}{jax.tree_util.keystr(path)}")
 
 
-def test_a_bf16_models_compute_copy_steps_like_its_fp32_masters(mesh1):
+def test_a_bf16_models_compute_copy_and_streamed_update_step_like_the_device_run(mesh1):
     """bf16 compute, fp32 masters, one device, no accumulation: the projections come to the forward as a bf16 copy
     (`paths.COMPUTE_CAST`, which the model casts to bf16 anyway) and their gradients are cast back to fp32 for the
-    update, so two steps give the device run's metrics, params and optimizer state exactly."""
+    update, which streams each layer stack one layer at a time (training/streamed.py: the lowered program has one
+    `while` more per stack). Two Muon + AdamW steps with layer-wise lr decay and a clip that bites give the device
+    run's metrics, params and optimizer state exactly (update_rms sums the same squares in another order)."""
     cfg = dataclasses.replace(get_preset("tiny"), dtype="bfloat16")
     graphdef, params, buffers = init_model(cfg, mesh1, 0)
-    tx, schedule = build_optimizer(OptimConfig(lr=1e-2, warmup_steps=0, decay_steps=10), params)
-    step = make_train_step(graphdef, tx, cfg, lr_schedule=schedule)
     x = np.random.default_rng(0).integers(2, cfg.vocab_size, (2, 4, 33)).astype(np.int32)
-    runs = {}
+    runs, loops, rms = {}, {}, {}
     for mode in ("none", "optimizer_and_params"):
+        tx, schedule = build_optimizer(dataclasses.replace(STREAM_OPTIM, offload=mode), params)
+        assert isinstance(tx, streamed.LayerStreamed) == (mode != "none")
+        step = make_train_step(graphdef, tx, cfg, lr_schedule=schedule)
         with sharding.use_mesh(mesh1):
             fresh = jax.tree.map(lambda a: a.copy(), (params, buffers))  # the step donates its state
             state = offload.place(init_state(*fresh, tx), {"model": mode}, "model")
+            batch = {"inputs": x[0, :, :-1], "targets": x[0, :, 1:]}
+            loops[mode] = step.lower(state, batch, controls(0.3, 1e-3)).as_text().count("stablehlo.while")
             metrics = []
             for b in x:
                 state, m = step(state, {"inputs": b[:, :-1], "targets": b[:, 1:]}, controls(0.3, 1e-3))
                 metrics.append(jax.device_get(m))
-        runs[mode] = (metrics, jax.device_get(state.params), jax.device_get(state.opt_state))
-    assert _memory_kinds(state.params) == {"pinned_host"}
+        runs[mode] = ([{k: v for k, v in m.items() if k != "update_rms"} for m in metrics],
+                      jax.device_get(state.params), jax.device_get(state.opt_state))
+        rms[mode] = [m["update_rms"] for m in metrics]
+    assert _memory_kinds(state.params) == _memory_kinds(state.opt_state) == {"pinned_host"}
+    assert loops["optimizer_and_params"] == loops["none"] + 2  # the dense and the MoE stack
+    assert runs["none"][0][0]["grad_norm"] > STREAM_OPTIM.clip and runs["none"][0][0]["skipped"] == 0
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(runs["none"]),
                             jax.tree.leaves(runs["optimizer_and_params"]), strict=True):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(rms["optimizer_and_params"], rms["none"], rtol=1e-6)
 
 
 def test_offload_config_errors(tmp_path, sample_corpus):
@@ -114,48 +128,51 @@ def test_offload_config_errors(tmp_path, sample_corpus):
         from_config_dict(config)
 
 
-@pytest.mark.parametrize("shape", [{"data": 1}, {"data": 2, "tensor": 2, "expert": 2}, {"pipeline": 2, "data": 4}],
-                         ids=["one_device", "data_tensor_expert", "pipeline"])
-def test_the_layer_streamed_update_is_the_whole_tree_update(shape):
-    """With the optimizer state offloaded, the step updates each layer stack one layer at a time (training/streamed.py:
-    the lowered program has one `while` more per streamed stack) and gets the whole-tree update's numbers: Muon +
-    AdamW with layer-wise lr decay and a clip that bites, two steps bit for bit on one device; one step to float32
-    rounding on data x tensor x expert (Newton-Schulz under auto_axes) and on a pipeline mesh, whose MoE stack (layer
-    axis sharded over the stages) is updated whole while the dense stack streams. update_rms sums the squares in
-    another order."""
-    cfg = get_preset("tiny").replace(num_hidden_layers=4, **({"pipeline_microbatches": 2} if "pipeline" in shape else {}))
-    mesh = sharding.make_mesh(shape, jax.devices()[:math.prod(shape.values())], cfg=cfg, global_batch=8)
-    graphdef, params, buffers = init_placed(cfg, mesh)
+@pytest.mark.parametrize("shape", [{"data": 2, "tensor": 2, "expert": 2}, {"pipeline": 2, "data": 4}],
+                         ids=["data_tensor_expert", "pipeline"])
+def test_the_layer_streamed_update_on_a_mesh(shape):
+    """streamed.apply against the whole-tree update and apply_updates on the same gradients (random, in the params'
+    shardings, their norm above the clip), the state in host memory: two updates, then a poisoned one (a loss
+    spike) that both skip and count. On data x tensor x expert the MoE stack streams with its experts and matrices
+    sharded (Newton-Schulz under auto_axes); on a pipeline mesh the MoE stack, its layer axis split over the stages,
+    is updated whole while the dense stack streams. XLA partitions Newton-Schulz's products of one layer and of the
+    whole stack differently, so their sums run in another order: equal to float32 rounding (measured <= 3.2e-8 after
+    one update; AdamW alone bit for bit), the skipped update exactly."""
+    cfg = get_preset("tiny").replace(**({"pipeline_microbatches": 2} if "pipeline" in shape else {}))
+    mesh = sharding.make_mesh(shape, jax.devices()[:math.prod(shape.values())], cfg=cfg)
+    _, params, _ = init_placed(cfg, mesh)
     layout = pipeline.layout(cfg, shape["pipeline"]) if "pipeline" in shape else None
-    exact = len(mesh.devices.flat) == 1
-    x = np.random.default_rng(0).integers(2, cfg.vocab_size, (2 if exact else 1, 8, 33)).astype(np.int32)
-    runs, loops, rms = {}, {}, {}
-    for mode in ("none", "optimizer"):
-        opt = OptimConfig(lr=1e-2, warmup_steps=0, decay_steps=10, layer_decay=0.8, clip=0.5, offload=mode)
-        tx, schedule = build_optimizer(opt, params, layout=layout)
-        assert isinstance(tx, streamed.LayerStreamed) == (mode == "optimizer")
-        step = make_train_step(graphdef, tx, cfg, lr_schedule=schedule)
-        with sharding.use_mesh(mesh):
-            fresh = jax.tree.map(lambda a: a.copy(), (params, buffers))  # the step donates its state
-            state = offload.place(init_state(*fresh, tx), {"model": mode}, "model")
-            batch = {"inputs": x[0, :, :-1], "targets": x[0, :, 1:]}
-            loops[mode] = step.lower(state, batch, controls(0.3, 1e-3)).as_text().count("stablehlo.while")
-            metrics = []
-            for b in x:
-                state, m = step(state, {"inputs": b[:, :-1], "targets": b[:, 1:]}, controls(0.3, 1e-3))
-                metrics.append(jax.device_get(m))
-        assert _memory_kinds(state.opt_state) == {"pinned_host" if mode == "optimizer" else "device"}
-        runs[mode] = ([{k: v for k, v in m.items() if k != "update_rms"} for m in metrics],
-                      jax.device_get(state.params), jax.device_get(state.opt_state))
-        rms[mode] = [m["update_rms"] for m in metrics]
-    assert loops["optimizer"] == loops["none"] + (1 if "pipeline" in shape else 2)  # the dense (and MoE) stack
-    assert runs["none"][0][0]["grad_norm"] > 0.5 and runs["none"][0][0]["skipped"] == 0  # the clip bites
-    # On a mesh XLA partitions Newton-Schulz's products of a one-layer slice and of the whole stack differently, so
-    # their sums run in another order: one step's numbers agree to float32 rounding (measured <= 3.2e-8; a second
-    # step's AdamW divides those differences by sqrt(nu) where a gradient is tiny, up to 3.4e-6; AdamW alone measured
-    # bit for bit over two steps there).
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(runs["none"]), jax.tree.leaves(runs["optimizer"]),
-                            strict=True):
-        check = np.testing.assert_array_equal if exact else partial(np.testing.assert_allclose, rtol=1e-6, atol=2e-7)
-        check(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(path))
-    np.testing.assert_allclose(rms["optimizer"], rms["none"], rtol=1e-6)
+    tx = build_optimizer(dataclasses.replace(STREAM_OPTIM, offload="optimizer"), params, layout=layout)[0]
+    rng = np.random.default_rng(0)
+    grads = [jax.tree.map(lambda p: jax.device_put(rng.standard_normal(p.shape).astype(p.dtype), p.sharding), params)
+             for _ in range(3)]
+
+    def whole(p, s, g, spike):
+        g = jax.tree.map(lambda x: jnp.where(spike, jnp.nan, x), g)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    def pieces(p, s, g, spike):
+        new_p, new_s, _ = streamed.apply(tx, g, spike, s, p, {})
+        return new_p, offload.store_like(new_s, s)  # as the train step returns it
+
+    runs = {}
+    with sharding.use_mesh(mesh):
+        for name, update in (("whole", whole), ("streamed", pieces)):
+            p = jax.tree.map(lambda a: a.copy(), params)
+            s = jax.jit(tx.init)(p)
+            s = offload.to_host(s) if name == "streamed" else s
+            run = jax.jit(update, donate_argnums=(0, 1))
+            out = []
+            for g, spike in zip(grads, (False, False, True), strict=True):
+                p, s = run(p, s, g, jnp.bool_(spike))
+                out.append(jax.device_get((p, s)))
+            runs[name] = out
+    assert _memory_kinds(s) == {"pinned_host"}
+    assert runs["whole"][2][1].notfinite_count == 1 and runs["whole"][2][1].total_notfinite == 1
+    for i, (a, b) in enumerate(zip(runs["whole"], runs["streamed"], strict=True)):
+        for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
+            np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-6, atol=2e-7,
+                                       err_msg=f"update {i + 1} {jax.tree_util.keystr(path)}")
+    for x, y in zip(jax.tree.leaves(runs["streamed"][1]), jax.tree.leaves(runs["streamed"][2]), strict=True):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(x)) if np.ndim(x) else None  # skipped: unchanged

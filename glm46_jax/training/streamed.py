@@ -5,8 +5,8 @@
     params, opt_state, sq = streamed.apply(tx, grads, spike, opt_state, params, extra)   # inside the jitted step
 
 The whole-tree update (`tx.update`) brings every leaf's state and master weights to the device, and a leaf of a layer
-stack holds every layer: GLM-4.5-Air's routed-expert gate stack alone is 30.9 GiB of master and momentum per device
-on one 8-device node. `apply` runs the same update in pieces: the leaves outside the layer stacks in one call, then
+stack holds every layer (GLM-4.5-Air's routed-expert gate stack is a third of the model: the plan's numbers are in
+docs/training.md#host-offload). `apply` runs the same update in pieces: the leaves outside the layer stacks in one call, then
 each stack one layer at a time in a `lax.fori_loop` whose carry is the stored (host) state and masters: a layer's
 slice is copied to the device, updated, and written back. So the device holds one layer's update at a time.
 

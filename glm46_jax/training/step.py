@@ -198,7 +198,7 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
         spike = (metrics["loss"] > ctrl.get("max_loss", jnp.inf)) | ~jnp.isfinite(metrics["loss"])
         grad_norm = optax.tree.norm(grads)
         grads = jax.tree.map(lambda g: jnp.where(spike, jnp.nan, g), grads)
-        before = _finite_state(offload.fetch(state.models(main)[main].opt_state))  # its counts, on the device
+        before = _finite_state(state.models(main)[main].opt_state)  # where it is stored: only its count is read
         lr_inputs = ctrl.get("lr", {})
         new, all_updates, update_squares = {}, {}, []
         with jax.named_scope("optimizer"):  # clip, Muon/AdamW, the non-finite skip and the apply, in profiles
@@ -233,7 +233,7 @@ def make_step(loss: LossFn, txs: Mapping[str, optax.GradientTransformation], mai
         else:
             out["nonfinite_in_a_row"] = jnp.int32(0)  # the trainer reads it every step
         if lr_schedule is not None:  # the lr of this update: optax counts applied updates only
-            applied_before = state.step - (before.total_notfinite if before is not None else 0)
+            applied_before = state.step - (offload.fetch(before.total_notfinite) if before is not None else 0)
             out["lr"] = jnp.asarray(lr_schedule.at(applied_before, lr_inputs.get(main)), jnp.float32)
         new_state = state.with_models(main, new).replace(step=state.step + 1)
         return offload.store_like(new_state, state), out  # host-offloaded leaves go back to host memory

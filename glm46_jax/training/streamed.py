@@ -6,9 +6,9 @@
 
 The whole-tree update (`tx.update`) brings every leaf's state and master weights to the device, and a leaf of a layer
 stack holds every layer (GLM-4.5-Air's routed-expert gate stack is a third of the model: the plan's numbers are in
-docs/training.md#host-offload). `apply` runs the same update in pieces: the leaves outside the layer stacks in one call, then
-each stack one layer at a time in a `lax.fori_loop` whose carry is the stored (host) state and masters: a layer's
-slice is copied to the device, updated, and written back. So the device holds one layer's update at a time.
+docs/training.md#host-offload). `apply` runs the same update in pieces: the leaves outside the layer stacks in one
+call, then each stack one layer at a time in a `lax.fori_loop` whose carry is the stored (host) state and masters:
+a layer's slice is copied to the device, updated, and written back. So the device holds one layer's update at a time.
 
 Every number is the whole-tree update's: the non-finite skip (`optax.apply_if_finite`) and the global-norm clip are
 decided on the whole gradient before any piece runs, the pieces see the same scalar state (step counts), and the
@@ -91,7 +91,8 @@ def apply(tx: LayerStreamed, grads: Any, spike: jax.Array, state: Any, stored: A
         g = g if g.dtype == dtype else g.astype(dtype)
         return jnp.where(spike, jnp.nan, g)
 
-    whole = [prepared(g, d) for g, d in zip(grad_leaves, dtypes, strict=True)]  # read by reductions only: fused, not stored
+    # read by reductions only: fused, not stored
+    whole = [prepared(g, d) for g, d in zip(grad_leaves, dtypes, strict=True)]
     finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in whole]))
     g_norm = optax.tree.norm(whole)
     clipped = lambda t: jax.lax.select(jnp.squeeze(g_norm < tx.clip), t, (t / g_norm.astype(t.dtype)) * tx.clip)
@@ -112,23 +113,19 @@ def apply(tx: LayerStreamed, grads: Any, spike: jax.Array, state: Any, stored: A
     sizes = {s: next(x.shape[0] for x, st in zip(weights.leaves, weights.stack, strict=True) if st == s)
              for s in LAYER_STACKS if s in weights.stack}
 
-    def update(g_tree, s_tree, p_tree, where):
-        """inner.update on one piece under the non-finite skip; `where`: the layer_slice extra argument."""
-        static = {k: v for k, v in where.items() if k != "start"}  # names and lengths; the start is traced
-        dynamic = dict(extra, start=where.get("start"))
+    def update(g_tree, s_tree, p_tree, stack=None, start=None):
+        """inner.update on one piece under the non-finite skip; a slice of `stack` from layer `start` (traced)."""
+        where = {"sizes": sizes} if stack is None else {"sizes": sizes, "stack": stack}  # layer_slice's static part
 
-        def inner(g, s, p, d):
-            d = dict(d)
-            start = d.pop("start")
-            return tx.inner.update(g, s, p, **d, layer_slice=dict(static, **({} if start is None else
-                                                                              {"start": start})))
+        def inner(g, s, p, start, extra):
+            return tx.inner.update(g, s, p, **extra, layer_slice=where if start is None else {**where, "start": start})
 
         def do(_):
             if not tx.sharded or jax.sharding.get_abstract_mesh().empty:
-                return inner(g_tree, s_tree, p_tree, dynamic)
+                return inner(g_tree, s_tree, p_tree, start, extra)
             shardings = lambda t: jax.tree.map(lambda x: jax.typeof(x).sharding, t)
             run = jax.sharding.auto_axes(inner, out_sharding=(shardings(g_tree), shardings(s_tree)))
-            return run(g_tree, s_tree, p_tree, dynamic)
+            return run(g_tree, s_tree, p_tree, start, extra)
 
         return jax.lax.cond(ok, do, lambda _: (optax.tree.zeros_like(g_tree), s_tree), None)
 
@@ -136,12 +133,13 @@ def apply(tx: LayerStreamed, grads: Any, spike: jax.Array, state: Any, stored: A
         return sum((jnp.sum(jnp.square(u)) for u in u_leaves if not _masked(u)), jnp.float32(0))
 
     # The leaves outside the streamed stacks, in one call.
-    p_rest = [offload.fetch(x) if st not in streamed else optax.MaskedNode() for x, st in zip(weights.leaves, weights.stack)]
+    p_rest = [offload.fetch(x) if st not in streamed else optax.MaskedNode()
+              for x, st in zip(weights.leaves, weights.stack, strict=True)]
     g_rest = [clipped(prepared(g, d)) if st not in streamed else optax.MaskedNode()
               for g, d, st in zip(grad_leaves, dtypes, weights.stack, strict=True)]
     s_rest = [x if _masked(x) else offload.fetch(x) if st not in streamed else optax.MaskedNode()
               for x, st in zip(opt.leaves, opt.stack, strict=True)]
-    u, new_inner = update(weights.tree(g_rest), opt.tree(s_rest), weights.tree(p_rest), {"sizes": sizes})
+    u, new_inner = update(weights.tree(g_rest), opt.tree(s_rest), weights.tree(p_rest))
     u = weights.flat(u)
     new_p = [x if _masked(du) else optax.apply_updates(x, du) for x, du in zip(p_rest, u, strict=True)]
     new_s = opt.flat(new_inner)
@@ -160,11 +158,11 @@ def apply(tx: LayerStreamed, grads: Any, spike: jax.Array, state: Any, stored: A
                 g[k] = clipped(prepared(jax.lax.dynamic_slice_in_dim(grad_leaves[k], i, 1, 0), dtypes[k]))
                 p[k] = take(x)
             # the state's scalars (step counts) as they came in; every other stack's leaves masked out
-            piece_state = [x if _masked(x) else optax.MaskedNode() if opt.per_param[k] or opt.stack[k] else offload.fetch(x)
-                  for k, x in enumerate(opt.leaves)]
+            piece_state = [x if _masked(x) else optax.MaskedNode() if opt.per_param[k] or opt.stack[k]
+                           else offload.fetch(x) for k, x in enumerate(opt.leaves)]
             for k, x in zip(s_idx, states, strict=True):
                 piece_state[k] = take(x)
-            u, out = update(weights.tree(g), opt.tree(piece_state), weights.tree(p), {"sizes": sizes, "stack": s, "start": i})
+            u, out = update(weights.tree(g), opt.tree(piece_state), weights.tree(p), stack=s, start=i)
             u, out = weights.flat(u), opt.flat(out)
             put = lambda whole, piece: jax.lax.dynamic_update_slice_in_dim(
                 whole, offload.store_like(piece, whole), i, 0)

@@ -11,9 +11,9 @@
 #                   then GRPO; prints the held-out exact-match accuracy before and after (extra GRPO flags with ARGS=...)
 #   make dpo        after make train and make sft: LoRA DPO of the chat model on the sample preference pairs; prints
 #                   the held-out pairs' metrics before and after (docs/preferences.md#the-recipes)
-#   make rlhf       after the RL demo's SFT (make rl builds it): the SFT policy's own samples labelled in pairs, a reward
-#                   model on them, then PPO against it alone with the reward model's check; prints the reward model's
-#                   on-policy pair accuracy, PPO's held-out exact-match before and after, and the check's curve
+#   make rlhf       after the RL demo's SFT (make rl builds it): the SFT policy's own samples labelled in pairs, two
+#                   reward models on them, then PPO against their ensemble alone with the reward models' check; prints
+#                   their on-policy pair accuracy, PPO's held-out exact-match before and after, and the check's curve
 #                   (runs/rlhf_tiny/round1/ppo/check_curve.png); ARGS="--config.rounds=2" for a second round
 #   make test-jax-min  the model/step tests on jax 0.11.2 + flax 0.12.10 (pyproject's lowest, the lent GPU image's
 #                   jax) in a second venv .venv-jax011; JAX_MIN_TESTS="tests/x.py ..." picks the files
@@ -224,9 +224,15 @@ dpo: $(SAMPLE_PREFS)/metadata.json runs/sft_tiny/status.json
 	                     f"{b_len:.3f} after; implicit-reward accuracy {acc:.3f}, margin {margin:.3f}")'
 
 # configs/rlhf.py:tiny: the SFT policy's own samples (16 of each training prompt) labelled in pairs by the exact
-# answer, a reward model on them, PPO against it alone (glm46_jax/rlhf.py; ARGS="--config.rounds=2" for
+# answer, two reward models on them, PPO against their ensemble alone (glm46_jax/rlhf.py; ARGS="--config.rounds=2" for
 # a second round from the PPO policy). Its stages land in runs/rlhf_tiny/round<r>/ and a re-run skips finished ones.
-rlhf: $(VENV)/.installed | runs/sft_rl_addition/status.json
+# Its task holds out 2,000 problems (make rl's 500 and 1,500 of its RL prompts) around the same SFT chats.
+RLHF_DATA := data/rlhf_addition
+
+$(RLHF_DATA)/prompts_train.jsonl: | $(VENV)/.installed
+	$(PY) -m data_prep.rl_tasks --out $(RLHF_DATA) --heldout 2000
+
+rlhf: $(VENV)/.installed | runs/sft_rl_addition/status.json $(RLHF_DATA)/prompts_train.jsonl
 	$(PY) -m glm46_jax.rlhf --config=configs/rlhf.py:tiny $(ARGS)
 
 fixtures: $(VENV_HF)/.installed
@@ -244,4 +250,4 @@ $(VENV_HF)/.installed:
 	@touch $@
 
 clean:
-	rm -rf $(VENV) $(VENV_HF) $(VENV_JAX_MIN) runs/ $(SAMPLE) $(SAMPLE_SFT) $(SAMPLE_PREFS) $(RL_DATA)
+	rm -rf $(VENV) $(VENV_HF) $(VENV_JAX_MIN) runs/ $(SAMPLE) $(SAMPLE_SFT) $(SAMPLE_PREFS) $(RL_DATA) $(RLHF_DATA)

@@ -33,18 +33,22 @@ _ADDITION = dict(prompts="data/rl_addition/prompts_train.jsonl", heldout="data/r
                  max_new_tokens=6, eval_batch=250, clip_low=0.2, clip_high=0.2, dynamic_sampling=False)
 _CRITIC = dict(gamma=1.0, lam=1.0, vf_coef=0.5, vf_clip=0.2, critic_lr=1e-4, critic_warmup=10)
 _PRESETS = {
-    # The RLHF demo's second stage (make rlhf): the addition SFT model trained against the reward model of
-    # configs/reward.py:tiny alone (its critic starts from that run too); held-out accuracy is still exact match. The
-    # reward model's check (rl.labeller) every 10 rollouts stops a run whose reward model and labeller diverge, which
-    # then ends on its best checked step by the labeller (docs/rl.md#the-reward-model-check). A run nothing stopped
-    # ends on its last step: the best of 15 checks of 256 samples is partly noise (checkpoint.end_on_best picked step
-    # 40 in one of three seeds, 0.226 held-out where the last step had 0.316).
+    # The RLHF demo's second stage (make rlhf): the addition SFT model trained against the ensemble of its two reward
+    # models (configs/reward.py:tiny) alone (the critic starts from the first); held-out accuracy is still exact
+    # match. The reward models' check (rl.labeller) every 10 rollouts stops a run whose reward model and labeller
+    # diverge, which then ends on its best checked step by the labeller (docs/rl.md#the-reward-model-check). A run
+    # nothing stopped ends on its last step: the best of 15 checks of 256 samples is partly noise
+    # (checkpoint.end_on_best picked step 40 in one of three seeds, 0.226 held-out where the last step had 0.316). Its
+    # task holds out 2,000 problems (data/rlhf_addition: make rl's SFT chats): each evaluation is greedy on all of
+    # them (standard error 0.01).
     "tiny": dict(
         base="tiny", init_from="runs/sft_rl_addition",
-        rl=dict(_ADDITION, rewards=("reward_model",), reward_weights=(1.0,), reward_model="runs/rlhf_tiny/round1/reward",
+        rl=dict(_ADDITION, prompts="data/rlhf_addition/prompts_train.jsonl",
+                heldout="data/rlhf_addition/prompts_heldout.jsonl", rewards=("reward_model",), reward_weights=(1.0,),
+                reward_model="runs/rlhf_tiny/round1/reward", reward_ensemble=("runs/rlhf_tiny/round1/reward_1",),
                 heldout_rewards=("exact_answer",), kl_coef=0.02, labeller="exact_answer"),
         ppo=dict(_CRITIC, normalize_rewards=True),
-        train=dict(log_every=10, eval_every=20, eval_batches=2),
+        train=dict(log_every=10, eval_every=20, eval_batches=8),
         checkpoint=dict(every=20, keep=1, keep_best=True, best_metric="eval/check_win_rate", best_mode="max"),
         optim=dict(lr=1e-4, end_lr=1e-4, warmup_steps=0, algorithm="adamw", weight_decay=0.0, clip=1.0),
     ),

@@ -11,7 +11,8 @@ writes into --out:
   prompts_heldout.jsonl   problems in neither file above: the held-out exact-match accuracy
 The three sets are disjoint and the split is deterministic for a seed (docs/rl.md#the-cpu-demo). With the
 defaults, 10,000 problems: 500 held out, 1,000 SFT chats, 8,500 RL prompts (a pool the RL run does not exhaust, so
-it cannot memorise its prompts' answers).
+it cannot memorise its prompts' answers). `make rlhf` holds out 2,000 (`--heldout 2000 --out data/rlhf_addition`:
+7,000 RL prompts): the same SFT chats, so the same SFT model starts it, with half the standard error.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import os
 import random
 
 from data_prep import tokenizer
-from glm46_jax import atomic
+from glm46_jax import atomic, cli
+from glm46_jax.errors import InputError
 
 
 def problems(max_a: int = 1000) -> list[tuple[int, int]]:
@@ -38,11 +40,23 @@ def chat(a: int, b: int) -> dict[str, object]:
             "enable_thinking": False}
 
 
+# Held-out problems beyond these come from the end of the shuffle, so the SFT chats that follow them do not move.
+_HELDOUT_FIRST = 500
+
+
 def split(seed: int, heldout: int, sft: int, max_a: int = 1000) -> tuple[list, list, list]:
-    """(sft, rl train, heldout) problem lists: disjoint, shuffled with `seed`."""
+    """(sft, rl train, heldout) problem lists: disjoint, shuffled with `seed`. The held-out set is the shuffle's
+    first 500 problems (all of them when fewer) and its last `heldout` - 500, the SFT set the `sft` after the first
+    ones: one SFT model serves every held-out size (make rl's 500 and make rlhf's 2,000)."""
     all_problems = problems(max_a)
     random.Random(seed).shuffle(all_problems)
-    return all_problems[heldout:heldout + sft], all_problems[heldout + sft:], all_problems[:heldout]
+    first = min(heldout, _HELDOUT_FIRST)
+    end = len(all_problems) - (heldout - first)
+    if end < first + sft:
+        raise InputError(f"--heldout {heldout} and --sft {sft} need more than the {len(all_problems)} problems of "
+                         f"--max-a {max_a}")
+    return (all_problems[first:first + sft], all_problems[first + sft:end],
+            all_problems[:first] + all_problems[end:])
 
 
 def _jsonl(rows: list[dict[str, object]]) -> str:
@@ -63,11 +77,11 @@ def write(out: str, seed: int = 0, heldout: int = 500, sft: int = 1000, max_a: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m data_prep.rl_tasks", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(prog="python -m data_prep.rl_tasks", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="data/rl_addition")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--heldout", type=int, default=500, help="held-out problems")
+    p.add_argument("--heldout", type=int, default=500, help="held-out problems (make rlhf: 2000)")
     p.add_argument("--sft", type=int, default=1000, help="problems in the SFT chats (the rest are RL prompts)")
     p.add_argument("--max-a", type=int, default=1000, help="the first operand is below this (the second below 10)")
     args = p.parse_args(argv)
@@ -77,4 +91,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli.main_guard(main)

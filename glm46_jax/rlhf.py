@@ -4,9 +4,12 @@ Round r (docs/preferences.md#rounds):
   1. pairs         `python -m data_prep policy-preferences` on the policy round r - 1 ended on (round 1: the SFT
                    start), labelled by `ppo.rl.labeller`                                   -> <out>/round<r>/pairs
   2. reward model  the reward config from its own `checkpoint.init_from` on every round's pairs so far (round 1: its
-                   pairs; later rounds: all rounds' pair files through `data_prep preferences`) -> <out>/round<r>/reward
-  3. PPO           the PPO config from that policy against that reward model           -> <out>/round<r>/ppo
-and prints what `make rlhf` prints: the reward model's held-out pair accuracy, PPO's held-out exact match before and
+                   pairs; later rounds: all rounds' pair files through `data_prep preferences`)
+                                                                                     -> <out>/round<r>/reward
+                   with `reward_models` = k > 1, k of them, member i with train.seed and data.seed + i: an ensemble
+                   (docs/preferences.md#an-ensemble)                         -> <out>/round<r>/reward_<i>, i >= 1
+  3. PPO           the PPO config from that policy against that reward model (or ensemble) -> <out>/round<r>/ppo
+and prints what `make rlhf` prints: each reward model's held-out pair accuracy, PPO's held-out exact match before and
 after and the reward model's check over the steps (check_curve.png in the PPO run).
 
 A stage whose output is complete is skipped and an interrupted training stage resumes from its checkpoint, so a
@@ -52,13 +55,15 @@ class RLHFConfig:
     here, before anything is sampled)."""
     rounds: int
     out: str
+    reward_models: int  # per round: the ensemble's members, PPO's rl.reward_model and rl.reward_ensemble
     sampling: SamplingConfig
     reward: RunConfig
     ppo: RunConfig
 
 
 def from_config_dict(c: Any) -> RLHFConfig:
-    cfg = RLHFConfig(rounds=c.rounds, out=c.out, sampling=SamplingConfig(**c.sampling.to_dict()),
+    cfg = RLHFConfig(rounds=c.rounds, out=c.out, reward_models=c.reward_models,
+                     sampling=SamplingConfig(**c.sampling.to_dict()),
                      reward=from_run_config(c.reward), ppo=from_run_config(c.ppo))
     check(cfg)
     return cfg
@@ -78,8 +83,9 @@ def complete(run_dir: str) -> bool:
 
 
 def check(c: RLHFConfig) -> None:
-    if c.rounds < 1:
-        raise InputError(f"rounds={c.rounds}: must be >= 1")
+    for name in ("rounds", "reward_models"):
+        if getattr(c, name) < 1:
+            raise InputError(f"{name}={getattr(c, name)}: must be >= 1; set --config.{name}")
     if c.reward.recipe != "reward" or c.ppo.recipe != "ppo":
         raise InputError(f"reward and ppo must be a reward and a PPO config (got recipes {c.reward.recipe!r} and "
                          f"{c.ppo.recipe!r}): configs/reward.py and configs/ppo.py presets")
@@ -144,8 +150,9 @@ def _train(stage: Any, run_dir: str, devices: Sequence[Any] | None, **fields: An
     train.train(from_run_config(stage), devices)
 
 
-def run(config: Any, devices: Sequence[Any] | None = None) -> list[dict[str, str]]:
-    """All rounds of a configs/rlhf.py ConfigDict; returns each round's {"pairs", "reward", "ppo"} directories."""
+def run(config: Any, devices: Sequence[Any] | None = None) -> list[dict[str, Any]]:
+    """All rounds of a configs/rlhf.py ConfigDict; returns each round's directories: "pairs", "reward" (the first
+    reward model), "reward_ensemble" (the other members, a list) and "ppo"."""
     c = from_config_dict(config)
     done = []
     for r in range(1, c.rounds + 1):
@@ -154,11 +161,15 @@ def run(config: Any, devices: Sequence[Any] | None = None) -> list[dict[str, str
         pairs = os.path.join(d, "pairs")
         if not os.path.isfile(os.path.join(pairs, "metadata.json")):
             _data_prep(pairs_args(c, policy, pairs))
-        reward = os.path.join(d, "reward")
-        _train(config.reward, reward, devices, **{"preference.root": reward_data(c, r)})
+        members = [os.path.join(d, "reward" if i == 0 else f"reward_{i}") for i in range(c.reward_models)]
+        for i, member in enumerate(members):
+            _train(config.reward, member, devices, **{"preference.root": reward_data(c, r),
+                                                      "train.seed": c.reward.train.seed + i,
+                                                      "data.seed": c.reward.data.seed + i})
         ppo = os.path.join(d, "ppo")
-        _train(config.ppo, ppo, devices, **{"checkpoint.init_from": policy, "rl.reward_model": reward})
-        done.append({"pairs": pairs, "reward": reward, "ppo": ppo})
+        _train(config.ppo, ppo, devices, **{"checkpoint.init_from": policy, "rl.reward_model": members[0],
+                                            "rl.reward_ensemble": tuple(members[1:])})
+        done.append({"pairs": pairs, "reward": members[0], "reward_ensemble": members[1:], "ppo": ppo})
     return done
 
 
@@ -171,7 +182,7 @@ def main(argv: Sequence[str]) -> None:
     c = flags.FLAGS.config
     for r, stages in enumerate(run(c), 1):
         print(f"== round {r} of {c.rounds}: {stages['ppo']}")
-        print("\n".join(check_curve.summary_lines(stages["ppo"], stages["reward"])))
+        print("\n".join(check_curve.summary_lines(stages["ppo"], [stages["reward"], *stages["reward_ensemble"]])))
         if check_curve.check_records(stages["ppo"]):
             print(f"-> {check_curve.plot(stages['ppo'])}")
 

@@ -333,57 +333,93 @@ def addition_sft(tmp_path_factory):
     return root, data
 
 
-def _rlhf_config(addition_sft, out: str, rounds: int = 1):
-    """configs/rlhf.py:tiny (make rlhf) on the shared SFT warm-up's files, writing to `out`."""
-    from glm46_jax.run_config import config_file
+@pytest.fixture(scope="module")
+def rlhf_data(addition_sft) -> str:
+    """make rlhf's task (`python -m data_prep.rl_tasks --heldout 2000`): make rl's SFT chats and tokenizer, so the
+    shared SFT warm-up is its start, 1,500 of make rl's RL prompts moved to its held-out set."""
+    import json
+
+    from data_prep import rl_tasks
 
     root, data = addition_sft
+    out = str(root / "rlhf_data")
+    assert rl_tasks.write(out, heldout=2000) == {"sft": 1000, "train": 7000, "heldout": 2000}
+
+    def lines(d, name):
+        with open(os.path.join(d, name)) as f:
+            return f.readlines()
+    for name in ("sft_chats.jsonl", "tokenizer.json"):
+        assert lines(out, name) == lines(data, name)
+    train, held = (lines(out, f"prompts_{s}.jsonl") for s in ("train", "heldout"))
+    assert held[:500] == lines(data, "prompts_heldout.jsonl")
+    assert train + held[500:] == lines(data, "prompts_train.jsonl")
+    assert not {json.loads(x)["prompt"] for x in held} & {json.loads(x)["prompt"] for x in train}
+    return out
+
+
+def _rlhf_config(addition_sft, rlhf_data: str, out: str, rounds: int = 1):
+    """configs/rlhf.py:tiny (make rlhf) on the shared SFT warm-up and make rlhf's task, writing to `out`."""
+    from glm46_jax.run_config import config_file
+
+    root, _ = addition_sft
     c = config_file(os.path.join(os.path.dirname(__file__), "..", "configs", "rlhf.py"), "tiny")
     with c.unlocked():
         c.rounds, c.out = rounds, out
         for stage in (c.reward, c.ppo):
             stage.checkpoint.update(init_from=str(root / "sft"), async_save=False)
             stage.monitor.sinks = "jsonl"
-        c.ppo.rl.update(prompts=os.path.join(data, "prompts_train.jsonl"),
-                        heldout=os.path.join(data, "prompts_heldout.jsonl"))
+        c.ppo.rl.update(prompts=os.path.join(rlhf_data, "prompts_train.jsonl"),
+                        heldout=os.path.join(rlhf_data, "prompts_heldout.jsonl"))
     return c
 
 
 @pytest.fixture(scope="module")
-def rlhf_pairs(addition_sft, tmp_path_factory) -> str:
-    """make rlhf's first stage with its settings (configs/rlhf.py:tiny) on the first 500 training prompts."""
-    from data_prep import cli as data_cli
-    from glm46_jax import rlhf as rounds
+def rlhf_round1(addition_sft, rlhf_data, tmp_path_factory) -> tuple[str, str]:
+    """`make rlhf` (configs/rlhf.py:tiny, one round, its settings unchanged) from the shared SFT warm-up, run as
+    `python -m glm46_jax.rlhf`: (its out dir, what it printed)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, subprocess_env
 
     root, _ = addition_sft
-    c = _rlhf_config(addition_sft, "")
-    c.sampling.max_prompts = 500
-    out = str(tmp_path_factory.mktemp("rlhf") / "policy_pairs")
-    assert data_cli.main(rounds.pairs_args(rounds.from_config_dict(c), str(root / "sft"), out)) == 0
-    return out
+    out = str(tmp_path_factory.mktemp("rlhf_rounds"))
+    flags = [f"--config.out={out}", f"--config.ppo.rl.prompts={os.path.join(rlhf_data, 'prompts_train.jsonl')}",
+             f"--config.ppo.rl.heldout={os.path.join(rlhf_data, 'prompts_heldout.jsonl')}"]
+    for stage in ("reward", "ppo"):
+        flags += [f"--config.{stage}.checkpoint.init_from={root / 'sft'}",
+                  f"--config.{stage}.checkpoint.async_save=false", f"--config.{stage}.monitor.sinks=jsonl"]
+    # 112,000 samples, two reward models of 1,500 steps and 150 rollouts: LLVM -O2 (tests/optimized_code.py), in a
+    # process with one CPU device (a one-device run's steps take ~30% longer beside the 8 virtual ones).
+    env = subprocess_env(1)
+    env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("--xla_backend_optimization_level=0",
+                                                "--xla_backend_optimization_level=2")
+    done = subprocess.run([sys.executable, "-m", "glm46_jax.rlhf", "--config=configs/rlhf.py:tiny", *flags],
+                          cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out, done.stdout
 
 
 @pytest.mark.slow
-def test_policy_preferences_pair_the_sft_models_own_samples(addition_sft, rlhf_pairs):
-    """`data_prep policy-preferences` on the SFT model (make rlhf's settings, 500 prompts): every pair's chosen reply is the right sum
-    and its rejected one a wrong sum (the exact-answer labeller), every pair is counted once (train + heldout +
-    skipped = written), and the counts add up (pairs <= asked - without a preference)."""
+def test_policy_preferences_pair_the_sft_models_own_samples(rlhf_data, rlhf_round1):
+    """`data_prep policy-preferences` on the SFT model (make rlhf's first stage): every pair's chosen reply is the
+    right sum and its rejected one a wrong sum (the exact-answer labeller), every pair is counted once (train +
+    heldout + skipped = written), and the counts add up (pairs <= asked - without a preference)."""
     import json
 
-    _, data = addition_sft
-    out = rlhf_pairs
+    out = os.path.join(rlhf_round1[0], "round1", "pairs")
     with open(os.path.join(out, "_source", "sampling.json")) as f:
         counts = json.load(f)
     with open(os.path.join(out, "_source", "pairs.jsonl")) as f:
         lines = [json.loads(x) for x in f]
     with open(os.path.join(out, "metadata.json")) as f:
         meta = json.load(f)
-    answers = {it["prompt"]: it for it in map(json.loads, open(os.path.join(data, "prompts_train.jsonl")))}
+    answers = {it["prompt"]: it for it in map(json.loads, open(os.path.join(rlhf_data, "prompts_train.jsonl")))}
     for line in lines:
         item = answers[line["messages"][0]["content"]]
         assert rewards.exact_answer(line["chosen"]["content"], item) == 1.0
         assert rewards.exact_answer(line["rejected"]["content"], item) == 0.0
-    assert counts["samples"] == 500 * 16 and counts["pairs"] == len(lines) > 300
+    assert counts["samples"] == 7000 * 16 and counts["pairs"] == len(lines) > 7000
     assert len(lines) <= counts["asked"] - counts["no_preference"]
     assert len({line["messages"][0]["content"] for line in lines}) * 3 >= len(lines)  # at most 3 per prompt
     splits = meta["splits"]
@@ -391,16 +427,51 @@ def test_policy_preferences_pair_the_sft_models_own_samples(addition_sft, rlhf_p
 
 
 @pytest.mark.slow
-def test_rlhf_rounds_sample_each_round_from_the_policy_the_last_one_ended_on(addition_sft, tmp_path):
-    """configs/rlhf.py with rounds=2, each stage shortened (glm46_jax/rlhf.py): round 2 samples round 1's PPO
-    policy, trains its reward model on both rounds' pairs and starts PPO where round 1 ended, which the greedy
-    held-out accuracy shows (the same weights on the same problems score the same); a re-run redoes nothing."""
+def test_rlhf_raises_heldout_accuracy_with_the_reward_model_alone(rlhf_round1):
+    """make rlhf's round: two reward models on the SFT policy's own labelled pairs, then PPO rewarded by their
+    ensemble alone (the checker labels pairs, never rewards PPO): greedy exact match on the 2,000 held-out problems
+    rises by more than 2 binomial standard errors of the start (one seed; three are in
+    docs/preferences.md#the-cpu-demos), the reward models' check ran at every evaluation, and the command printed
+    both reward models' pair accuracy and the before -> after it measured."""
+    import json
+
+    from glm46_jax.recipes.rl import check_curve
+
+    out, printed = rlhf_round1
+    ppo, reward, reward_1 = (os.path.join(out, "round1", s) for s in ("ppo", "reward", "reward_1"))
+
+    def read(*path):
+        with open(os.path.join(*path)) as f:
+            return json.load(f)
+    r, status, cfg = read(ppo, "heldout.json"), read(ppo, "status.json"), read(ppo, "config.json")
+    rms = [read(run, "heldout.json")["end"]["accuracy"] for run in (reward, reward_1)]
+    start, end = r["start_accuracy"], r["end"]["accuracy"]
+    se = np.sqrt(start * (1 - start) / r["problems"])
+    print(f"\nreward models: held-out on-policy pair accuracy {rms[0]:.3f}, {rms[1]:.3f}; PPO: {start:.4f} -> "
+          f"{end:.4f} ({(end - start) / se:+.1f} standard errors); stopped: {status['reason']}")
+    assert cfg["rl"]["rewards"] == ["reward_model"] and cfg["rl"]["reward_model"] == reward
+    assert cfg["rl"]["reward_ensemble"] == [reward_1]
+    assert [read(run, "config.json")["train"]["seed"] for run in (reward, reward_1)] == [0, 1]
+    assert r["problems"] == 2000
+    assert len(check_curve.check_records(ppo)) == r["steps"] // cfg["train"]["eval_every"]
+    assert f"held-out exact-match accuracy on 2000 problems (greedy): {start:.3f}" in printed, printed
+    assert all(f"held-out pair accuracy {rm['start']['accuracy']:.3f} -> {rm['end']['accuracy']:.3f}" in printed
+               for rm in (read(reward, "heldout.json"), read(reward_1, "heldout.json"))), printed
+    assert end - start > 2 * se, (start, end, se, rms, status)
+
+
+@pytest.mark.slow
+def test_rlhf_rounds_sample_each_round_from_the_policy_the_last_one_ended_on(addition_sft, rlhf_data, rlhf_round1):
+    """configs/rlhf.py with rounds=2 over make rlhf's finished round (glm46_jax/rlhf.py), round 2's stages
+    shortened: round 1 is kept as it is, round 2 samples round 1's PPO policy, trains its reward model on both rounds'
+    pairs and starts PPO where round 1 ended, which the greedy held-out accuracy shows (the same weights on the same
+    problems score the same); a re-run redoes nothing."""
     import json
 
     from glm46_jax import rlhf as rounds
 
     root, _ = addition_sft
-    c = _rlhf_config(addition_sft, str(tmp_path / "rlhf"), rounds=2)
+    c = _rlhf_config(addition_sft, rlhf_data, rlhf_round1[0], rounds=2)
     with c.unlocked():
         c.sampling.update(samples=4, pairs_per_prompt=1, max_prompts=96)
         for stage in (c.reward, c.ppo):
@@ -413,9 +484,14 @@ def test_rlhf_rounds_sample_each_round_from_the_policy_the_last_one_ended_on(add
         with open(os.path.join(*path)) as f:
             return json.load(f)
 
+    one = {s: os.path.join(rlhf_round1[0], "round1", s) for s in ("pairs", "reward", "ppo")}
+    one["reward_ensemble"] = [os.path.join(rlhf_round1[0], "round1", "reward_1")]
+    runs = [one["reward"], *one["reward_ensemble"], one["ppo"]]
+    kept = {run: os.path.getmtime(os.path.join(run, "status.json")) for run in runs}
     with optimized(subprocesses=True):
         stages = rounds.run(c, jax.devices()[:1])
-    one, two = stages
+    assert stages[0] == one and {run: os.path.getmtime(os.path.join(run, "status.json")) for run in runs} == kept
+    two = stages[1]
     assert read(one["pairs"], "_source", "sampling.json")["source"] == str(root / "sft")
     assert read(two["pairs"], "_source", "sampling.json")["source"] == one["ppo"]
     lines = []
@@ -430,22 +506,25 @@ def test_rlhf_rounds_sample_each_round_from_the_policy_the_last_one_ended_on(add
     assert read(one["reward"], "config.json")["preference"]["root"] == one["pairs"]
     ppo = read(two["ppo"], "config.json")
     assert ppo["checkpoint"]["init_from"] == one["ppo"] and ppo["rl"]["reward_model"] == two["reward"]
+    assert ppo["rl"]["reward_ensemble"] == two["reward_ensemble"] == [os.path.join(os.path.dirname(two["reward"]),
+                                                                                   "reward_1")]
+    assert read(two["reward_ensemble"][0], "config.json")["preference"]["root"] == merged_root
     assert read(two["ppo"], "heldout.json")["start_accuracy"] == read(one["ppo"], "heldout.json")["end"]["accuracy"]
-    before = {(r, s): os.path.getmtime(os.path.join(d[s], "status.json")) for r, d in enumerate(stages)
-              for s in ("reward", "ppo")}
+    every = [run for d in stages for run in (d["reward"], *d["reward_ensemble"], d["ppo"])]
+    before = {run: os.path.getmtime(os.path.join(run, "status.json")) for run in every}
     rounds.run(c, jax.devices()[:1])
-    assert {(r, s): os.path.getmtime(os.path.join(d[s], "status.json")) for r, d in enumerate(stages)
-            for s in ("reward", "ppo")} == before
+    assert {run: os.path.getmtime(os.path.join(run, "status.json")) for run in every} == before
 
 
 def test_rlhf_rounds_refuse_a_config_they_cannot_run(tmp_path):
-    """The rounds CLI: a round count below 1 or a PPO config without a labeller is one error line and exit 2,
-    before anything is sampled or trained."""
+    """The rounds CLI: a round or reward-model count below 1 or a PPO config without a labeller is one error line
+    and exit 2, before anything is sampled or trained."""
     import subprocess
     import sys
 
     root = os.path.join(os.path.dirname(__file__), "..")
     for flag, words in (("--config.rounds=0", "rounds=0: must be >= 1"),
+                        ("--config.reward_models=0", "reward_models=0: must be >= 1"),
                         ("--config.ppo.rl.labeller=", "ppo.rl.labeller is empty")):
         done = subprocess.run([sys.executable, "-m", "glm46_jax.rlhf", "--config=configs/rlhf.py:tiny",
                                f"--config.out={tmp_path / 'out'}", flag], cwd=root, capture_output=True, text=True,
@@ -453,6 +532,24 @@ def test_rlhf_rounds_refuse_a_config_they_cannot_run(tmp_path):
         err = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(err) == 1 and words in err[0], (done.returncode, done.stderr)
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_larger_heldout_set_keeps_the_sft_chats_and_takes_rl_prompts(tmp_path):
+    """data_prep.rl_tasks --heldout above 500 (make rlhf's 2,000): the SFT problems are make rl's, the held-out set is
+    make rl's plus problems that were its RL prompts, and the three sets still cover the 10,000 problems once; more
+    held out than the problems allow is refused (an InputError: one line, exit 2), nothing written."""
+    from data_prep import rl_tasks
+
+    from glm46_jax.errors import InputError
+
+    sft, train, held = rl_tasks.split(0, 500, 1000)
+    sft2, train2, held2 = rl_tasks.split(0, 2000, 1000)
+    assert sft2 == sft and held2[:500] == held and set(held2[500:]) <= set(train)
+    assert (len(sft2), len(train2), len(held2)) == (1000, 7000, 2000)
+    assert sorted(sft2 + train2 + held2) == rl_tasks.problems()
+    with pytest.raises(InputError, match="--heldout 9500 and --sft 1000 need more than the 10000 problems"):
+        rl_tasks.main(["--heldout", "9500", "--out", str(tmp_path / "out")])  # cli.main_guard: one line, exit 2
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_bad_labeller_exits_2_before_loading_the_model(tmp_path, capsys):

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from glm46_jax import cli
@@ -37,12 +38,15 @@ def check_records(run_dir: str) -> list[dict[str, float]]:
     return [records[s] for s in sorted(records)]
 
 
-def summary_lines(run_dir: str, reward_run: str | None = None) -> list[str]:
+def summary_lines(run_dir: str, reward_runs: Sequence[str] = ()) -> list[str]:
+    """What make rlhf prints of a PPO run: each reward model's held-out pair accuracy (`reward_runs`: the ensemble's
+    members), held-out accuracy before and after, the stop, and the check per evaluation."""
     lines = []
-    if reward_run:
+    for i, reward_run in enumerate(reward_runs):
         rm = _json(os.path.join(reward_run, "heldout.json"))
-        lines.append(f"reward model: held-out pair accuracy {rm['start']['accuracy']:.3f} -> {rm['end']['accuracy']:.3f} "
-                     f"on {rm['end']['pairs']:.0f} pairs")
+        which = f" {i + 1} of {len(reward_runs)}" if len(reward_runs) > 1 else ""
+        lines.append(f"reward model{which}: held-out pair accuracy {rm['start']['accuracy']:.3f} -> "
+                     f"{rm['end']['accuracy']:.3f} on {rm['end']['pairs']:.0f} pairs")
     r, status = _json(os.path.join(run_dir, "heldout.json")), _json(os.path.join(run_dir, "status.json"))
     a, b, n = r["start_accuracy"], r["end"]["accuracy"], r["problems"]
     se = (a * (1 - a) / n) ** 0.5
@@ -86,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m glm46_jax.recipes.rl.check_curve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", help="an RL run with rl.labeller set")
-    p.add_argument("--reward-run", help="the reward run it used (its held-out pair accuracy is printed too)")
+    p.add_argument("--reward-run", action="append", default=[],
+                   help="a reward run it used (its held-out pair accuracy is printed too); once per ensemble member")
     args = p.parse_args(argv)
     print("\n".join(summary_lines(args.run_dir, args.reward_run)))
     if check_records(args.run_dir):

@@ -67,6 +67,27 @@ def run_losses(run_dir: str) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in map(json.loads, lines) if "train/loss" in r}
 
 
+# XLA:CPU code generation that computes the same numbers on every x86-64 host (tests/README.md#one-hosts-numbers):
+# no YNNPACK fusions (YNNPACK picks its dot and reduction kernels, and with them the lanes a sum is split into, by the
+# CPU it runs on: 16 floats on AVX-512, 8 on AVX2, whatever --xla_cpu_max_isa says), so XLA emits every operation
+# itself, for one fixed ISA, at -O0 (no FMA contraction by LLVM, which at -O2 follows each program's fusions). A
+# test that compares two different programs bit for bit compiles both with it: `jitted.lower(...).compile(PINNED)`.
+PINNED_CODEGEN = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_max_isa": "AVX2",
+                  "xla_backend_optimization_level": 0}
+
+
+def assert_heldout_gain(runs: list[dict]) -> None:
+    """The RL acceptance tests' claim on the heldout.json records of runs (seeds) from one starting policy: the mean
+    held-out gain exceeds 2 of its paired standard errors (glm46_jax/recipes/rl/heldout.py) and no run loses more
+    than one of its own."""
+    from glm46_jax.recipes.rl import heldout
+
+    g = heldout.gain(runs)
+    seen = (g, [(r["start_accuracy"], r["end"]["accuracy"]) for r in runs])
+    assert g.mean > 2 * g.se, seen
+    assert all(mean > -se for mean, se in g.per_run), seen
+
+
 @functools.cache
 def jitted_apply(graphdef, **options):
     """`model.apply(graphdef, params, buffers, *args, **options, **kw)` jitted once per (graphdef, options) for the

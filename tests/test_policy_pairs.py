@@ -197,8 +197,8 @@ def test_an_ensemble_scores_mean_minus_penalty_times_std():
 
 
 def test_the_check_curve_reads_a_run(tmp_path, capsys):
-    """check_curve on a hand-written run dir: the accuracy line with its standard errors (0.25 of 500: se 0.0194), the
-    stop, the table's rows in step order (the later record of a step wins) and the PNG."""
+    """check_curve on a hand-written run dir: the accuracy line with its standard errors (0.25 of 500: se 0.0194; with
+    per-problem outcomes, the gain's paired one), the stop, the table's rows in step order (the later record of a step wins) and the PNG."""
     from glm46_jax.recipes.rl import check_curve
 
     run = tmp_path / "ppo"
@@ -213,9 +213,15 @@ def test_the_check_curve_reads_a_run(tmp_path, capsys):
     assert check_curve.main([str(run)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == ("held-out exact-match accuracy on 500 problems (greedy): 0.250 +- 0.019 before -> 0.300 after "
-                      "(+0.050, +2.6 standard errors)")
+                      "(+0.050, +2.6 standard errors of the start)")
     assert out[1] == "stopped at step 20: the check diverged; ended on step 10"
     assert [line.split()[0] for line in out[3:5]] == ["10", "20"] and "0.800" in out[4]
     assert (run / "check_curve.png").stat().st_size > 1000
+    # with per-problem outcomes, the gain's paired error: d = (0, 1, 1, 0), sd 0.5774 / sqrt(4) = 0.2887
+    (run / "heldout.json").write_text(json.dumps({"start_accuracy": 0.5, "end": {"accuracy": 1.0}, "problems": 4,
+                                                  "start_passed": [1, 0, 0, 1], "end_passed": [1, 1, 1, 1]}))
+    assert check_curve.summary_lines(str(run))[0] == (
+        "held-out exact-match accuracy on 4 problems (greedy): 0.500 +- 0.250 before -> 1.000 after "
+        "(+0.500 +- 0.289 paired, +1.7 standard errors)")
     with pytest.raises(InputError, match="heldout.json: not found"):
         check_curve.summary_lines(str(tmp_path))

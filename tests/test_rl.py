@@ -3,6 +3,7 @@ update's gradient vs autodiff of REINFORCE (log-probs x advantages), routing rep
 log-probs, and the code sandbox's limits."""
 
 import dataclasses
+import json
 import os
 import time
 
@@ -10,14 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import randomize_params
+from conftest import assert_heldout_gain, randomize_params
 from optimized_code import optimized
 
 from glm46_jax.config import TINY
 from glm46_jax.infer.score import token_logprobs
 from glm46_jax.model import apply, init_model
 from glm46_jax.parallel import sharding
-from glm46_jax.recipes.rl import objective, rewards, sandbox
+from glm46_jax.recipes.rl import heldout, objective, rewards, sandbox
 from glm46_jax.recipes.rl.config import RLConfig
 from glm46_jax.recipes.rl.grpo import objective as grpo_objective
 from glm46_jax.recipes.rl.grpo.step import grpo_loss
@@ -96,6 +97,23 @@ def test_clipped_loss_equals_numpy(aggregation):
     np.testing.assert_allclose(float(got), want, rtol=1e-5)
     np.testing.assert_allclose(float(stats["clip_frac"]), want_clip, rtol=1e-6)
     assert 0 < want_clip < 1  # both branches of the clip are exercised
+
+
+def test_heldout_gain_is_the_paired_mean_gain_and_its_standard_error():
+    """recipes/rl/heldout.gain on two runs from one start, by hand: per problem d = mean over the runs of end - start
+    = (0, 1, 0.5, -0.5): mean 0.25, sd sqrt(1.25 / 3), se = sd / 2 = 0.32275; run a (0, 1, 0, -1): 0 +- 0.40825, run
+    b (0, 1, 1, 0): 0.5 +- 0.28868. A resumed run's record (no start scored) is refused, as are unequal problem sets."""
+    start = [1, 0, 0, 1]
+    a, b = (heldout.record(0.5, np.array(start, bool), {"accuracy": float(np.mean(e))}, np.array(e, bool), steps=1,
+                           rollouts=1) for e in ([1, 1, 0, 0], [1, 1, 1, 1]))
+    assert json.loads(json.dumps(a)) == a and a["problems"] == 4 and a["end_passed"] == [1, 1, 0, 0]
+    g = heldout.gain([a, b])
+    assert g.problems == 4 and g.mean == pytest.approx(0.25) and g.se == pytest.approx(np.sqrt(1.25 / 3) / 2)
+    np.testing.assert_allclose(g.per_run, [(0.0, np.sqrt(2 / 3) / 2), (0.5, np.sqrt(1 / 3) / 2)])
+    with pytest.raises(ValueError, match="without per-problem outcomes"):
+        heldout.gain([{**a, "start_passed": None}])
+    with pytest.raises(ValueError, match="different numbers of problems"):
+        heldout.gain([a, {**b, "start_passed": start[:3], "end_passed": [1, 1, 1]}])
 
 
 def test_kl_k3_matches_definition():
@@ -430,7 +448,7 @@ def test_policy_preferences_pair_the_sft_models_own_samples(rlhf_data, rlhf_roun
 def test_rlhf_raises_heldout_accuracy_with_the_reward_model_alone(rlhf_round1):
     """make rlhf's round: two reward models on the SFT policy's own labelled pairs, then PPO rewarded by their
     ensemble alone (the checker labels pairs, never rewards PPO): greedy exact match on the 2,000 held-out problems
-    rises by more than 2 binomial standard errors of the start (one seed; three are in
+    rises by more than 2 paired standard errors of the gain (recipes/rl/heldout.py; one seed; three are in
     docs/preferences.md#the-cpu-demos), the reward models' check ran at every evaluation, and the command printed
     both reward models' pair accuracy and the before -> after it measured."""
     import json
@@ -446,9 +464,9 @@ def test_rlhf_raises_heldout_accuracy_with_the_reward_model_alone(rlhf_round1):
     r, status, cfg = read(ppo, "heldout.json"), read(ppo, "status.json"), read(ppo, "config.json")
     rms = [read(run, "heldout.json")["end"]["accuracy"] for run in (reward, reward_1)]
     start, end = r["start_accuracy"], r["end"]["accuracy"]
-    se = np.sqrt(start * (1 - start) / r["problems"])
+    g = heldout.gain([r])
     print(f"\nreward models: held-out on-policy pair accuracy {rms[0]:.3f}, {rms[1]:.3f}; PPO: {start:.4f} -> "
-          f"{end:.4f} ({(end - start) / se:+.1f} standard errors); stopped: {status['reason']}")
+          f"{end:.4f} ({g.mean / g.se:+.1f} paired standard errors, {g.se:.4f}); stopped: {status['reason']}")
     assert cfg["rl"]["rewards"] == ["reward_model"] and cfg["rl"]["reward_model"] == reward
     assert cfg["rl"]["reward_ensemble"] == [reward_1]
     assert [read(run, "config.json")["train"]["seed"] for run in (reward, reward_1)] == [0, 1]
@@ -457,7 +475,7 @@ def test_rlhf_raises_heldout_accuracy_with_the_reward_model_alone(rlhf_round1):
     assert f"held-out exact-match accuracy on 2000 problems (greedy): {start:.3f}" in printed, printed
     assert all(f"held-out pair accuracy {rm['start']['accuracy']:.3f} -> {rm['end']['accuracy']:.3f}" in printed
                for rm in (read(reward, "heldout.json"), read(reward_1, "heldout.json"))), printed
-    assert end - start > 2 * se, (start, end, se, rms, status)
+    assert g.mean == pytest.approx(end - start) and g.mean > 2 * g.se, (start, end, g, rms, status)
 
 
 @pytest.mark.slow
@@ -563,16 +581,14 @@ def test_a_bad_labeller_exits_2_before_loading_the_model(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("error: labeller 'exactly': give a checker"), err
 
 
-def _heldout_gains(addition_sft, config: str, preset: str) -> list[tuple[float, float]]:
-    """(start, end) greedy exact-match accuracy on the 500 held-out problems (never RL prompts) of the preset's RL
-    stage from the shared SFT warm-up, for RL seeds 0, 1, 2."""
-    import json
-
+def _heldout_runs(addition_sft, config: str, preset: str) -> list[dict]:
+    """heldout.json of the preset's RL stage from the shared SFT warm-up for RL seeds 0, 1, 2: greedy exact match
+    on the 500 held-out problems (never RL prompts), before and after, per problem."""
     from glm46_jax import run_config, train
     from glm46_jax.run_config import config_file
 
     root, data = addition_sft
-    gains = []
+    runs = []
     # 150 rollouts per seed: LLVM -O2 (tests/optimized_code.py), one context for the three seeds so that the second
     # and third reuse the first one's programs.
     with optimized():
@@ -587,29 +603,21 @@ def _heldout_gains(addition_sft, config: str, preset: str) -> list[tuple[float, 
                             heldout=os.path.join(data, "prompts_heldout.jsonl"))
             assert c.rl.rollouts == RL_DEMO_ROLLOUTS  # the preset as documented, not a shortened run
             train.train(run_config.from_config_dict(c), jax.devices()[:1])
-            with open(os.path.join(c.run_dir, "heldout.json")) as f:
-                r = json.load(f)
+            r = heldout.read(c.run_dir)
             assert r["problems"] == 500
-            gains.append((r["start_accuracy"], r["end"]["accuracy"]))
-    return gains
-
-
-def _assert_gains(gains: list[tuple[float, float]]) -> None:
-    """The mean gain exceeds 2 binomial standard errors of the starting accuracy, and no seed loses more than one."""
-    se = [np.sqrt(b * (1 - b) / 500) for b, _ in gains]
-    assert np.mean([a - b for b, a in gains]) > 2 * np.mean(se), (gains, se)
-    assert all(a - b > -s for (b, a), s in zip(gains, se)), (gains, se)  # and no seed collapses
+            runs.append(r)
+    return runs
 
 
 @pytest.mark.slow
 def test_grpo_raises_heldout_accuracy_across_seeds(addition_sft):
     """configs/grpo.py:tiny after the SFT warm-up, 3 RL seeds: greedy exact-match accuracy on the 500 held-out
-    problems rises by more than 2 binomial standard errors of the starting accuracy on average over the seeds, and
-    no seed loses more than one (docs/rl.md#the-cpu-demo)."""
+    problems rises by more than 2 paired standard errors of the gain on average over the seeds, and no seed loses
+    more than one of its own (`conftest.assert_heldout_gain`; docs/rl.md#measuring-a-gain)."""
     # Measured on an 1-device CLI run: 0.29 -> 0.364 / 0.406 / 0.390 (seeds 0-2); the standard error of 0.29 is 0.020.
     # On main after the merge (dropless blocks, the CE backward, additive mask: other rounding): 0.234 -> 0.290 /
     # 0.258 / 0.300, a mean gain of 2.6 standard errors (0.019); every seed gains.
-    _assert_gains(_heldout_gains(addition_sft, "grpo.py", "tiny"))
+    assert_heldout_gain(_heldout_runs(addition_sft, "grpo.py", "tiny"))
 
 
 @pytest.mark.slow
@@ -620,4 +628,4 @@ def test_ppo_raises_heldout_accuracy_across_seeds(addition_sft):
     # 0.326, a mean gain of 4.7 standard errors; 8 samples of 8 prompts instead gained +0.025. This test (its own
     # SFT model, start 0.258): 0.338 / 0.332 / 0.312, 3.6 standard errors, 7 min on an idle 2-core box with the
     # SFT warm-up.
-    _assert_gains(_heldout_gains(addition_sft, "ppo.py", "addition"))
+    assert_heldout_gain(_heldout_runs(addition_sft, "ppo.py", "addition"))

@@ -38,7 +38,7 @@ from tokenizers import Tokenizer
 from glm46_jax import atomic
 from glm46_jax.parallel import sharding
 from glm46_jax.recipes.base import RecipeBase
-from glm46_jax.recipes.rl import labellers, objective
+from glm46_jax.recipes.rl import heldout, labellers, objective
 from glm46_jax.recipes.rl.ahead import RolloutsAhead
 from glm46_jax.recipes.rl.check import RewardCheck
 from glm46_jax.recipes.rl.config import RLConfig
@@ -101,6 +101,7 @@ class RLRecipe(RecipeBase):
     rollouts_done: int = 0
     tokens_seen: int = 0
     start_accuracy: float | None = None
+    start_passed: np.ndarray | None = None  # which held-out prompts the starting policy passed
     check: RewardCheck | None = None  # rl.labeller: the reward model's check at every evaluation
     ahead: RolloutsAhead | None = None  # rl.rollouts_ahead > 0: the rollout worker
     pool_snapshot: dict[str, Any] | None = None  # rl.rollouts_ahead > 0: the pool after the last rollout taken
@@ -174,7 +175,8 @@ class RLRecipe(RecipeBase):
         if data_state is not None:
             self.restore_data_state(data_state)
         elif state is not None:
-            self.start_accuracy = self.held_out_accuracy(state)["accuracy"]
+            metrics, self.start_passed = self.held_out(state)
+            self.start_accuracy = metrics["accuracy"]
             logging.info("held-out accuracy of the starting policy: %.3f", self.start_accuracy)
         if rl.labeller and state is not None:
             n = min(rl.check_prompts, len(self.items))
@@ -251,11 +253,10 @@ class RLRecipe(RecipeBase):
 
     def finish(self, state: TrainState, step: int, run_dir: str, tokens_seen: int) -> str | None:
         """Writes <run_dir>/heldout.json (held-out accuracy before and after); LoRA: also the merged weights."""
-        after = self.held_out_accuracy(state)
+        after, passed = self.held_out(state)
         if jax.process_index() == 0:
-            atomic.write_json(os.path.join(run_dir, "heldout.json"),
-                              {"start_accuracy": self.start_accuracy, "end": after, "steps": step,
-                               "rollouts": self.rollouts_done, "problems": self.heldout_count})
+            atomic.write_json(os.path.join(run_dir, "heldout.json"), heldout.record(
+                self.start_accuracy, self.start_passed, after, passed, steps=step, rollouts=self.rollouts_done))
         logging.info("held-out accuracy %s -> %.3f", "n/a" if self.start_accuracy is None else
                      f"{self.start_accuracy:.3f}", after["accuracy"])
         return super().finish(state, step, run_dir, tokens_seen)
@@ -409,23 +410,29 @@ class RLRecipe(RecipeBase):
 
     # --- held-out accuracy -------------------------------------------------------------------
 
-    def heldout_metrics(self, state: TrainState, ids: np.ndarray) -> dict[str, float]:
+    def heldout_metrics(self, state: TrainState, ids: np.ndarray) -> tuple[dict[str, float], np.ndarray]:
         """Greedy completions (or episodes) of held-out prompts `ids`: accuracy (pass rate), mean reward, response
-        length (the tokens the model wrote)."""
+        length (the tokens the model wrote); and which prompts passed (bool, one per id)."""
         with jax.transfer_guard("allow"):
             params = self.whole_params(state.params)
             held = self.sample_round(params, state.buffers, ids, 1, self.sampling(0.0), seed=0, heldout=True)
-        out = {"accuracy": float(np.mean(held.total >= self.rl.pass_threshold)), "reward": float(held.total.mean()),
+        passed = np.asarray(held.total >= self.rl.pass_threshold)
+        out = {"accuracy": float(np.mean(passed)), "reward": float(held.total.mean()),
                "response_len": float(held.new_tokens.mean())}
         if held.episodes is not None:
             out.update(episode_stats(held.episodes))
-        return out
+        return out, passed
 
     def held_out_accuracy(self, state: TrainState) -> dict[str, float]:
+        """`held_out` without the per-prompt outcomes (the evaluation's metrics)."""
+        return self.held_out(state)[0]
+
+    def held_out(self, state: TrainState) -> tuple[dict[str, float], np.ndarray]:
         """`heldout_metrics` over the first `heldout_count` held-out prompts in chunks of `rl.eval_batch`, averaged
-        per prompt."""
+        per prompt, and whether each prompt passed (heldout.json keeps both ends': `recipes.rl.heldout`)."""
         n, size = self.heldout_count, self.rl.eval_batch
-        results = [(len(ids), self.heldout_metrics(state, ids))
+        results = [(len(ids), *self.heldout_metrics(state, ids))
                    for ids in (np.arange(i, min(i + size, n)) for i in range(0, n, size))]
-        n = sum(size for size, _ in results)
-        return {k: sum(size * r[k] for size, r in results) / n for k in results[0][1]}
+        n = sum(size for size, _, _ in results)
+        metrics = {k: sum(size * r[k] for size, r, _ in results) / n for k in results[0][1]}
+        return metrics, np.concatenate([passed for _, _, passed in results])

@@ -17,6 +17,7 @@ from typing import Any
 
 from glm46_jax import cli
 from glm46_jax.errors import InputError
+from glm46_jax.recipes.rl import heldout
 
 COLUMNS = ("eval/accuracy", "eval/check_win_rate", "eval/check_proxy_win_rate", "eval/check_agreement")
 
@@ -50,8 +51,13 @@ def summary_lines(run_dir: str, reward_runs: Sequence[str] = ()) -> list[str]:
     r, status = _json(os.path.join(run_dir, "heldout.json")), _json(os.path.join(run_dir, "status.json"))
     a, b, n = r["start_accuracy"], r["end"]["accuracy"], r["problems"]
     se = (a * (1 - a) / n) ** 0.5
-    lines.append(f"held-out exact-match accuracy on {n} problems (greedy): {a:.3f} +- {se:.3f} before -> {b:.3f} after "
-                 f"({b - a:+.3f}, {(b - a) / se:+.1f} standard errors)")
+    line = f"held-out exact-match accuracy on {n} problems (greedy): {a:.3f} +- {se:.3f} before -> {b:.3f} after "
+    if r.get("start_passed") is not None:  # the gain's own (paired) standard error
+        g = heldout.gain([r])
+        line += f"({g.mean:+.3f} +- {g.se:.3f} paired, {g.mean / g.se if g.se else 0.0:+.1f} standard errors)"
+    else:
+        line += f"({b - a:+.3f}, {(b - a) / se:+.1f} standard errors of the start)"
+    lines.append(line)
     if status.get("reason"):
         ended = status.get("rolled_back_to", status["step"])
         lines.append(f"stopped at step {status['step']}: {status['reason']}; ended on step {ended}")

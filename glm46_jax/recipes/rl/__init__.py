@@ -20,6 +20,7 @@
     policy_pairs  on-policy preference pairs: the policy's samples, paired and labelled
     check         the reward model's held-out check during RL: its verdicts against the labeller's
     check_curve   an RL run against a reward model in numbers and a PNG: accuracy before and after, the check
+    heldout       heldout.json (held-out passes per problem, before and after) and the gain's paired error
     objective     the clipped policy-gradient loss and its aggregations, the k3 KL, the truncated importance weights
     logprobs      the policy's log-probs of sampled completions with routing replay (both updates, the KL reference)
     grpo/         group advantages, the GRPO update, the GRPO recipe

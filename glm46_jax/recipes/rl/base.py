@@ -223,8 +223,8 @@ class RLRecipe(RecipeBase):
 
     def evaluate(self, state: TrainState, segment: Segment, controls: Any) -> dict[str, float]:
         """Greedy generation is a prefill and a decode loop, not one program: eval/accuracy, eval/reward,
-        eval/response_len of `held_out_accuracy`."""
-        metrics = self.held_out_accuracy(state)
+        eval/response_len of `held_out`."""
+        metrics = self.held_out(state)[0]
         if self.check is not None:
             metrics.update(self.check(self._check_sampler(state)))
         return {f"eval/{k}": v for k, v in metrics.items()}
@@ -422,10 +422,6 @@ class RLRecipe(RecipeBase):
         if held.episodes is not None:
             out.update(episode_stats(held.episodes))
         return out, passed
-
-    def held_out_accuracy(self, state: TrainState) -> dict[str, float]:
-        """`held_out` without the per-prompt outcomes (the evaluation's metrics)."""
-        return self.held_out(state)[0]
 
     def held_out(self, state: TrainState) -> tuple[dict[str, float], np.ndarray]:
         """`heldout_metrics` over the first `heldout_count` held-out prompts in chunks of `rl.eval_batch`, averaged

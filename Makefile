@@ -47,7 +47,7 @@ TEST_WORKERS ?= 2
 HF_PKGS     ?= torch==2.13.0 transformers==5.23.0 safetensors numpy trl==1.16.0
 HF_PIP_ARGS ?=
 
-.PHONY: venv test test-jax-min test-serving serving-venv train sft rl agent dpo rlhf data fixtures clean
+.PHONY: venv test test-jax-min test-codegen test-serving serving-venv train sft rl agent dpo rlhf data fixtures clean
 
 venv: $(VENV)/.installed
 
@@ -133,6 +133,20 @@ test-jax-min: $(VENV_JAX_MIN)/.installed
 	@TIMEFORMAT='jax-min time: %1Rs'; time $(PY_JAX_MIN) -m pytest -q \
 	  $(if $(filter 0,$(TEST_WORKERS)),,$(XDIST)) $(JAX_MIN_TESTS) $(JAX_MIN_DESELECT) \
 	  $(PYTEST_ARGS)
+
+# The tests whose assertions hold only if XLA:CPU rounds the same way everywhere (two different programs compared bit
+# for bit; the statistical RL acceptance tests, whose start is the SFT model this host's rounding trained) once more
+# under another host's code: LLVM's vectors 4 floats wide instead of this host's 8 or 16 (tests/README.md#one-hosts-numbers).
+# The bf16 offload test of 4e55549 failed under it on every run, as it did on an AVX-512 host.
+CODEGEN_FLAGS ?= --xla_cpu_max_isa=SSE4_2
+CODEGEN_TESTS ?= tests/test_offload.py tests/test_lora.py::test_zero_b_is_the_base_model_bit_for_bit \
+                 tests/test_optim.py::test_muon_update_bf16_vs_fp32 \
+                 tests/test_optim.py::test_runs_that_differ_only_in_schedule_numbers_share_one_step_program \
+                 tests/test_rl.py::test_grpo_raises_heldout_accuracy_across_seeds \
+                 tests/test_rl.py::test_ppo_raises_heldout_accuracy_across_seeds
+test-codegen: $(VENV)/.installed
+	@TIMEFORMAT='codegen time: %1Rs'; time XLA_FLAGS="$(CODEGEN_FLAGS)" $(PY) -m pytest -q \
+	  $(if $(filter 0,$(TEST_WORKERS)),,$(XDIST)) $(CODEGEN_TESTS) $(PYTEST_ARGS)
 
 # The sample corpus (stdlib code + prose, 512-token BPE) that the tiny preset trains on; built
 # once, offline. A half-written one resumes: data_prep skips shards already complete.

@@ -1,9 +1,13 @@
 """Test-wide setup: 8 virtual CPU devices, set before anything imports jax."""
 
+import fcntl
 import functools
 import gc
 import json
 import os
+import shutil
+import subprocess
+import tempfile
 
 # LLVM at -O0 for XLA:CPU's generated code: most of the suite's time is XLA compiling hundreds of small programs,
 # and at -O0 the whole suite took 2,000 s instead of 2,878-2,957 s on a 2-core box (2026-11-24; the tests that
@@ -280,3 +284,45 @@ def randomize_params(params, seed=0, scale=0.3):
     """Weights moved by `scale` x N(0, 1) from init: logits far from uniform, so greedy choices have no near-ties."""
     keys = iter(jax.random.split(jax.random.key(seed), 200))
     return jax.tree.map(lambda p: p + scale * jax.random.normal(next(keys), p.shape, p.dtype), params)
+
+
+def unavailable(why: str):
+    """Skip, saying why, outside CI; in CI (.ci/run sets CI=true) the cluster, Ray or moto is part of the run, so
+    fail."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+# Every test file that runs jobs on launch/local_slurm.sh's one cluster holds this lock shared (`slurm_env`); the
+# test that stops and restarts the cluster takes it exclusively, so it never kills another xdist worker's jobs
+# mid-run (it did: a data_prep Slurm run lost its running jobs to the restart and waited out their 10-minute limit).
+# POSIX locks belong to the process: the exclusive request upgrades this worker's own shared lock and waits only for
+# other workers'. One descriptor per process, because closing any descriptor of the file drops all of its locks.
+@functools.cache
+def cluster_lock_fd() -> int:
+    return os.open(os.path.join(tempfile.gettempdir(), "glm46_slurm_tests.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+
+
+@pytest.fixture(scope="module")
+def slurm_env():
+    """The environment every Slurm command gets: the cluster's SLURM_CONF (launch/local_slurm.sh's unless set),
+    with the cluster's lock held shared while the module runs. No cluster: skip, saying how to start one, except in
+    CI, where the cluster is part of the run."""
+    conf = os.environ.get("SLURM_CONF") or subprocess.run(
+        ["bash", os.path.join(ROOT, "launch", "local_slurm.sh"), "conf"], capture_output=True, text=True,
+        check=True).stdout.strip()
+    env = {**os.environ, "SLURM_CONF": conf}
+    try:
+        answered = shutil.which("sinfo") and subprocess.run(["sinfo", "-h"], env=env, capture_output=True,
+                                                            timeout=20, check=False).returncode == 0
+    except subprocess.TimeoutExpired:
+        answered = False
+    if not answered:
+        unavailable(f"no Slurm cluster answers sinfo (SLURM_CONF={conf}): start one with launch/local_slurm.sh "
+                    "start (.ci/run does that before the tests)")
+    fcntl.lockf(cluster_lock_fd(), fcntl.LOCK_SH)
+    try:
+        yield env
+    finally:
+        fcntl.lockf(cluster_lock_fd(), fcntl.LOCK_UN)

@@ -20,14 +20,12 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import ROOT, unavailable
 from test_data_prep import _vocab, all_files, prose
-from test_slurm import _unavailable
 
 pytestmark = pytest.mark.slow
 
 BIN = os.path.dirname(sys.executable)  # this venv's console scripts (ray, launch_pickled_pipeline)
-LOCAL_SLURM = os.path.join(ROOT, "launch", "local_slurm.sh")
 # A 300-token BPE and ~10 KB shards: 10 train shards from the 120 documents. 16 MinHash permutations (5 LSH bands,
 # so 5 bucket tasks instead of 15) keep the Slurm and Ray runs short: their time is mostly one process per task.
 FLAGS = ["--vocab-size", "300", "--shard-size-mb", "0.01", "--num-perm", "16"]
@@ -38,7 +36,7 @@ TIMEOUT_S = 1200
 
 def _require(*modules: str):
     if missing := [m for m in modules if importlib.util.find_spec(m) is None]:
-        _unavailable(f"{', '.join(missing)} not installed: pip install -e .[dev,data,ray]")
+        unavailable(f"{', '.join(missing)} not installed: pip install -e .[dev,data,ray]")
 
 
 def _read(path: str) -> str:
@@ -111,23 +109,6 @@ def assert_same_dataset(got: dict[str, bytes], want: dict[str, bytes]):
 
 # --- Slurm -------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def slurm_env() -> dict[str, str]:
-    """SLURM_CONF of launch/local_slurm.sh's cluster (unless set) when a cluster answers sinfo."""
-    conf = os.environ.get("SLURM_CONF") or subprocess.run(["bash", LOCAL_SLURM, "conf"], capture_output=True,
-                                                          text=True, check=True).stdout.strip()
-    env = {**os.environ, "SLURM_CONF": conf}
-    try:
-        answered = shutil.which("sinfo") and subprocess.run(["sinfo", "-h"], check=False, env=env,
-                                                            capture_output=True, timeout=20).returncode == 0
-    except subprocess.TimeoutExpired:
-        answered = False
-    if not answered:
-        _unavailable(f"no Slurm cluster answers sinfo (SLURM_CONF={conf}): start one with launch/local_slurm.sh "
-                     "start (.ci/run does that before the tests)")
-    return env
-
-
 def _default_partition(env: dict[str, str]) -> str:
     names = subprocess.run(["sinfo", "-h", "-o", "%P"], env=env, capture_output=True, text=True,
                            check=True).stdout.split()
@@ -168,7 +149,7 @@ def ray_address():
     _require("ray")
     ray_cli = os.path.join(BIN, "ray")
     if not os.path.exists(ray_cli):
-        _unavailable(f"no ray command next to {sys.executable}")
+        unavailable(f"no ray command next to {sys.executable}")
     port = _free_port()
     temp = tempfile.mkdtemp(prefix="ray_")  # short: Ray's socket paths under it must fit in 107 characters
     log_path = os.path.join(temp, "start.log")

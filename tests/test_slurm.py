@@ -7,6 +7,7 @@ job fails long before its time limit; a task that hangs (injected: GLM46_FAULTS)
 scrapes both tasks through the job's service-discovery file. Skipped only when no cluster answers `sinfo`, and never
 under CI=true."""
 
+import fcntl
 import json
 import os
 import random
@@ -20,7 +21,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import PLUMBING_MODEL, ROOT, apply_flags, run_losses, subprocess_env
+from conftest import PLUMBING_MODEL, ROOT, apply_flags, cluster_lock_fd, run_losses, subprocess_env, unavailable
 from promserver import prometheus
 
 from glm46_jax.parallel import sharding
@@ -31,34 +32,6 @@ SBATCH = os.path.join(ROOT, "launch", "slurm_pretrain.sbatch")
 STEPS, EVERY, HEARTBEAT_S = 8, 3, 10
 
 pytestmark = pytest.mark.slow
-
-
-def _conf() -> str:
-    return os.environ.get("SLURM_CONF") or subprocess.run(["bash", LOCAL_SLURM, "conf"], capture_output=True,
-                                                          text=True, check=True).stdout.strip()
-
-
-@pytest.fixture(scope="module")
-def slurm_env():
-    """The environment every Slurm command here gets: the cluster's SLURM_CONF (launch/local_slurm.sh's unless
-    set). No cluster: skip, saying how to start one, except in CI, where the cluster is part of the run."""
-    env = {**os.environ, "SLURM_CONF": _conf()}
-    try:
-        answered = shutil.which("sinfo") and subprocess.run(["sinfo", "-h"], env=env, capture_output=True,
-                                                            timeout=20).returncode == 0
-    except subprocess.TimeoutExpired:
-        answered = False
-    if not answered:
-        _unavailable(f"no Slurm cluster answers sinfo (SLURM_CONF={env['SLURM_CONF']}): start one with "
-                     "launch/local_slurm.sh start (.ci/run does that before the tests)")
-    return env
-
-
-def _unavailable(why: str):
-    """Skip, saying why, outside CI; in CI (.ci/run sets CI=true) the cluster is part of the run, so fail."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(why)
-    pytest.skip(why)
 
 
 def _run(cmd: list[str], env: dict, **kw) -> str:
@@ -355,18 +328,22 @@ def test_the_cluster_script_starts_idempotently_and_stops_without_leftovers(slur
                        if alive(p)] for name in ("slurmctld", "slurmd", "munged", "slurmstepd")}
 
     if os.geteuid() != 0 and not (shutil.which("sudo") and subprocess.run(["sudo", "-n", "true"]).returncode == 0):
-        _unavailable("launch/local_slurm.sh start/stop need root or passwordless sudo")
+        unavailable("launch/local_slurm.sh start/stop need root or passwordless sudo")
     env = {**os.environ, "SLURM_LOCAL_DIR": os.path.dirname(slurm_env["SLURM_CONF"])}
     cluster = ("slurmctld", "slurmd", "munged")  # slurmstepd comes and goes with jobs (an earlier test's may be ending)
-    before = daemons()
-    assert all(before[name] for name in cluster), before
-    out = _run(["bash", LOCAL_SLURM, "start"], env)
-    after = daemons()
-    assert "already running" in out and {n: after[n] for n in cluster} == {n: before[n] for n in cluster}
+    fcntl.lockf(cluster_lock_fd(), fcntl.LOCK_EX)  # waits until no other worker's test has jobs on the cluster
     try:
-        _run(["bash", LOCAL_SLURM, "stop"], env)
-        assert not any(daemons().values()), daemons()
-        assert subprocess.run(["bash", LOCAL_SLURM, "status"], env=env, capture_output=True).returncode == 1
+        before = daemons()
+        assert all(before[name] for name in cluster), before
+        out = _run(["bash", LOCAL_SLURM, "start"], env)
+        after = daemons()
+        assert "already running" in out and {n: after[n] for n in cluster} == {n: before[n] for n in cluster}
+        try:
+            _run(["bash", LOCAL_SLURM, "stop"], env)
+            assert not any(daemons().values()), daemons()
+            assert subprocess.run(["bash", LOCAL_SLURM, "status"], env=env, capture_output=True).returncode == 1
+        finally:
+            _run(["bash", LOCAL_SLURM, "start"], env)
     finally:
-        _run(["bash", LOCAL_SLURM, "start"], env)
+        fcntl.lockf(cluster_lock_fd(), fcntl.LOCK_SH)  # back to the module's shared lock
     assert subprocess.run(["sinfo", "-h"], env=slurm_env, capture_output=True).returncode == 0

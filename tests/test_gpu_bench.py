@@ -2,7 +2,8 @@
 (the same function, platform "gpu"); its CPU fallback runs end to end through run.sh (every section, no errors,
 the files the device tool brings back); the trace / HLO readers and the component classifier give hand-counted
 answers on hand-written traces and HLO; the component FLOPs add up to counting.flops_per_token; the attention
-check reads a real cuDNN module cross-lowered for CUDA on this CPU."""
+check reads a real cuDNN module cross-lowered for CUDA on this CPU; the profile adds up (issue 73): Mosaic-GPU
+kernels, heads found through their operands, Newton-Schulz's own scope, attention's hardware FLOPs, the peak check."""
 
 import gzip
 import importlib.util
@@ -10,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +53,15 @@ def test_gpu_run_configuration_builds_and_validates():
     assert h.model.replace(remat="save_matmuls") == s.model  # the same model otherwise
     hf = to_hf_config(h.model)  # what hf_anchor.py builds Glm4MoeForCausalLM from
     assert (hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]) == (1024, 12, 151552)
-    assert set(step.step_variants("gpu")) == {"default", "command buffers off"}
+    assert set(step.step_variants("gpu")) == {"default", "command buffers off", "default, profiled"}
+    assert step.step_variants("gpu")["default, profiled"] == {"xla_enable_command_buffers_during_profiling": True}
+    assert set(step.step_variants("gpu", profiled_default=False)) == {"default", "command buffers off"}
+    # body MFU of run 4's default row (abd7af6: 76,187 tokens/s, 4,018,667,520 model FLOPs per token) without the
+    # two heads' 6 * 151,552 * 1,024 * 2 = 1,862,270,976: 2,156,396,544 * 76,187 / 989.4e12 = 16.6%
+    assert counting.flops_per_token(get_preset("small"), 4096) == 4_018_667_520
+    r = {"model_flops_per_token": 4_018_667_520, "tokens_per_s": 76_187}
+    assert step.body_mfu(r, s) == pytest.approx(2_156_396_544 * 76_187 / 989.4e12) == pytest.approx(0.16605, abs=1e-5)
+    assert step.body_mfu(r, h) == pytest.approx((4_018_667_520 - 931_135_488) * 76_187 / 989.4e12)  # MTP off
     assert set(step.moe_flag_sets("gpu")) == set(step.FLAG_SETS) and args.budget_s + 60 < 600
     # the device tool's 10-minute call: the sections' estimates fit the budget
     assert sum(step.ESTIMATE_S.values()) <= args.budget_s
@@ -81,7 +91,8 @@ def test_run_sh_cpu_fallback_reports_every_section(tmp_path):
                           timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "CPU fallback" in proc.stdout and "whl here" in proc.stdout
-    assert {"result.json", "report.md", "trace.json.gz", "log.txt", "step_hlo.txt.gz"} <= set(os.listdir(out))
+    assert {"result.json", "report.md", "trace.json.gz", "log.txt", "step_hlo.txt.gz",
+            "profile_hlo.txt.gz"} <= set(os.listdir(out))
     r = json.loads((out / "result.json").read_text())
     assert r["errors"] == {} and r["skipped"] == {} and r["platform"] == "cpu" and r["packed"]
     assert r["libraries"]["cudnn"] == "n/a" and "xla_flags_env" in r
@@ -92,6 +103,12 @@ def test_run_sh_cpu_fallback_reports_every_section(tmp_path):
     assert s["tokens_per_s"] == pytest.approx(64 / s["step_s_median"])
     assert s["mfu_vs_datasheet_989"] == pytest.approx(s["achieved_tflops"] / 989.4)
     assert 0 < s["mfu_vs_measured_matmul"] and s["peak_memory_gib"] > 0
+    heads = 6 * 512 * 64 * 2  # tiny's lm_head and MTP head: 6 * vocab * d each
+    assert s["body_mfu_vs_datasheet_989"] == pytest.approx((s["model_flops_per_token"] - heads) * 64 /
+                                                           s["step_s_median"] / 989.4e12)
+    probes = r["step_variants"]["matmul_probes_tflops"]
+    assert set(probes) == {"512^3 chain", "head fwd 64x64x512", "head d-hidden 64x64x512", "head d-weight 64x64x512"}
+    assert r["step_variants"]["matmul_peak_interleaved_tflops"] == max(probes.values())
     assert 5.5 < s["final_loss"] < 9  # CE ~ ln 512 + MTP + aux on random tokens
     tiny = get_preset("tiny")
     e = r["hf_equivalent"]  # MTP off: the model FLOPs of a model without the MTP layer
@@ -114,9 +131,19 @@ def test_run_sh_cpu_fallback_reports_every_section(tmp_path):
     flops = _module("components").component_flops(tiny, 2, 32, ns_steps=5)
     for name in ("expert GEMMs", "heads (lm_head + MTP head)", "Newton-Schulz", "attention fwd"):
         assert rows[name]["flops"] == flops[name]
-    for name in ("expert GEMMs", "optimizer elementwise", "Newton-Schulz", "attention projections + rest"):
+    for name in ("expert GEMMs", "optimizer elementwise", "Newton-Schulz", "attention projections + rest",
+                 "other GEMMs", "other elementwise"):
         assert rows[name]["ms_per_step"] > 0, name  # the classifier finds the tiny step's ops
     assert sum(c["ms_per_step"] for c in prof["components"]) == pytest.approx(prof["op_ms_per_step"])
+    # the step's packed rows (synthetic_batch, seed = the config's train seed 0 in configs/pretrain.py) in NumPy
+    seg = synthetic_batch(2, 32, 512, seed=0, packed=True)["segment_ids"]
+    lengths = np.concatenate([np.diff(np.flatnonzero(np.diff(row, prepend=-1, append=-1))) for row in seg])
+    pairs = prof["attention_pairs"]
+    assert (pairs["documents"], pairs["causal_pairs"]) == (len(lengths), int((lengths * (lengths + 1) // 2).sum()))
+    assert pairs["mfu_convention_pairs"] == 2 * 32 * 32 // 2
+    assert rows["attention fwd"]["hw_flops"] == 4 * 8 * 16 * pairs["causal_pairs"] * 4  # heads x head_dim, 4 sites
+    assert r["profile_default"]["note"].startswith("the CPU fallback compiles one executable")
+    assert [c["enforced"] for c in r["checks"]] == [False]  # reported on the CPU, enforced on a GPU
     scopes = {(row["scope"], row["pass"]) for row in prof["by_scope"]}
     assert any(s.endswith("experts") and p == "bwd" for s, p in scopes), scopes
 
@@ -139,7 +166,8 @@ def test_run_sh_cpu_fallback_reports_every_section(tmp_path):
         assert "traceEvents" in json.load(f)
     report = (out / "report.md").read_text()
     for heading in ("MFU vs 989", "HF-equivalent", "| component | ms / step |", "MoE / dense", "| named scope |",
-                    "| HLO op |", "XLA option sets interleaved", "Attention in the compiled step"):
+                    "| HLO op |", "XLA option sets interleaved", "Attention in the compiled step", "body MFU",
+                    "hardware TFLOP/s", "Checks:", "causal pairs"):
         assert heading in report, heading
 
 
@@ -273,12 +301,18 @@ def test_classifier_on_hand_written_ops():
     assert c("(unscoped)", head, d="bwd") == c("mtp", head) == c("lm_head", gemm) == "heads (lm_head + MTP head)"
     assert c("loss", {"opcode": "fusion", "name": "loop_subtract_fusion", "dims": {32768, v}}) == "cross-entropy"
     assert c("(unscoped)", {"opcode": "fusion", "name": "wrapped_convert", "dims": {32768, v}}) == "cross-entropy"
-    assert c("(unscoped)", {"opcode": "gather", "name": "gather.2", "dims": {v, 1024}}) == "other"  # embedding
+    assert c("(unscoped)", {"opcode": "gather", "name": "gather.2", "dims": {v, 1024}}) == "other elementwise"
     assert c("mtp/moe/moe_dispatch/experts", gemm) == "MTP layer"
     assert c("optimizer", {"opcode": "dot", "dims": {512, 1024}}) == "Newton-Schulz"
     assert c("optimizer", {"opcode": "fusion", "name": "loop_add_fusion", "dims": {v, 1024}}) == \
         "optimizer elementwise"
-    assert c("loss/aux_loss", {"opcode": "fusion"}) == "other"
+    assert c("loss/aux_loss", {"opcode": "fusion"}) == "other elementwise"
+    assert c("moe_layers/moe/shared_expert", gemm) == c("dense_layers/mlp", {"opcode": "dot"}) == "other GEMMs"
+    assert c("optimizer/newton_schulz", {"opcode": "fusion", "name": "loop_convert_fusion"}) == "Newton-Schulz"
+    mosaic = {"opcode": "custom-call", "name": "mpmd_map.18", "target": "mosaic_gpu_v2"}
+    assert c("moe_layers/moe/moe_dispatch/experts/experts_grouped", mosaic) == "expert GEMMs"
+    assert c("moe_layers/moe/moe_dispatch/experts", {"opcode": "custom-call"}, kernel="mosaic_gpu_kernel") == \
+        "expert GEMMs"
     ops = [{"hlo_op": "custom-call.104", "dur_us": 3000, "kernel": "nvjet"},
            {"hlo_op": "fusion.3", "dur_us": 1000, "kernel": "input_scatter_fusion"},
            {"hlo_op": "nosuch.1", "dur_us": 500, "op_name": "jit(step)/optimizer/add", "kernel": "loop_add"}]
@@ -289,6 +323,186 @@ def test_classifier_on_hand_written_ops():
     assert rows["heads (lm_head + MTP head)"]["tflops"] == pytest.approx(2000)
     assert rows["heads (lm_head + MTP head)"]["ideal_ms"] == pytest.approx(5.0)
     assert rows["expert permutes"]["tflops"] is None and rows["expert permutes"]["ideal_ms"] is None
+
+
+# A profiled step's ops as issue 73's reading of run 4 (abd7af6) describes them: the MTP head's backward GEMM names its
+# operands without shapes, so the vocab dimension is only on the line defining its [tokens, vocab] operand; a Pallas
+# Mosaic-GPU grouped GEMM is an mpmd_map custom call; Newton-Schulz has its own scope inside the optimizer's; XLA:CPU
+# wraps a dot in a fusion (ynn_fusion) whose opcode is "fusion".
+HLO_STEP = """HloModule jit_step, is_scheduled=true
+%fused_computation.1 (param_0.1: f32[64,64], param_1.1: f32[64,128]) -> f32[64,128] {
+  %param_0.1 = f32[64,64]{1,0} parameter(0)
+  %param_1.1 = f32[64,128]{1,0} parameter(1)
+  ROOT %dot_general.1 = f32[64,128]{1,0} dot(%param_0.1, %param_1.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/jvp(dense_layers)/mlp/dot_general"}
+}
+
+ENTRY %main {
+  %p.7 = bf16[151552,1024]{1,0} parameter(7)
+  %bitcast.5 = bf16[32768,151552]{1,0} bitcast(%fusion.9)
+  %custom-call.216 = (bf16[32768,1024]{1,0}, s8[4194304]{0}) custom-call(%bitcast.5, %p.7), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/transpose(jvp(mtp))/bsv,dv->bsd/dot_general"}
+  %mpmd_map.18 = bf16[65536,512]{1,0} custom-call(%a, %b, %c), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(step)/transpose(jvp(moe_layers))/moe/moe_dispatch/experts/experts_grouped/mpmd_map"}
+  %loop_select_fusion.3 = bf16[65536,1024]{1,0} fusion(%a), kind=kLoop, calls=%f3, metadata={op_name="jit(step)/transpose(jvp(moe_layers))/moe/moe_dispatch/experts/experts_grouped/select_n"}
+  %custom-call.300 = (f32[64,1024,1024]{2,1,0}, s8[1048576]{0}) custom-call(%y.1, %y.1), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/optimizer/newton_schulz/dot_general"}
+  %loop_convert_fusion.7 = bf16[64,1024,1024]{2,1,0} fusion(%custom-call.300), kind=kLoop, calls=%f7, metadata={op_name="jit(step)/optimizer/newton_schulz/convert_element_type"}
+  %loop_add_fusion.2 = f32[151552,1024]{1,0} fusion(%m, %g), kind=kLoop, calls=%f2, metadata={op_name="jit(step)/optimizer/add"}
+  %custom-call.50 = (bf16[32768,1024]{1,0}, s8[4194304]{0}) custom-call(%x.3, %w.3), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/jvp(moe_layers)/moe/shared_expert/dot_general"}
+  %ynn_fusion.1 = f32[64,128]{1,0} fusion(%x.1, %w.1), kind=kCustom, calls=%fused_computation.1, metadata={op_name="jit(step)/jvp(dense_layers)/mlp/dot_general"}, backend_config={"fusion_config":{"kind":"__ynn_fusion"}}
+  ROOT %loop_multiply_fusion.4 = bf16[8,4096,1024]{2,1,0} fusion(%x.3), kind=kLoop, calls=%f4, metadata={op_name="jit(step)/jvp(moe_layers)/mul"}
+}
+"""
+
+
+def test_hlo_instructions_resolve_operands_through_their_defining_lines():
+    hlo_trace = _module("hlo_trace")
+    ins = hlo_trace.hlo_instructions(HLO_STEP)
+    head = ins["custom-call.216"]
+    assert head["operands"] == ["bitcast.5", "p.7"] and head["target"] == "__cublas$gemm"
+    assert head["dims"] == head["result_dims"] == {32768, 1024, 4194304}  # no vocab on its own line
+    assert head["operand_dims"] == {32768, 151552, 1024}
+    assert ins["bitcast.5"]["operands"] == ["fusion.9"] and ins["bitcast.5"]["operand_dims"] == set()  # undefined
+    assert ins["mpmd_map.18"]["operands"] == ["a", "b", "c"] and ins["mpmd_map.18"]["result_dims"] == {65536, 512}
+    assert ins["loop_convert_fusion.7"]["operand_dims"] == {64, 1024, 1048576}  # a tuple result's every shape
+    assert ins["ynn_fusion.1"]["called_opcodes"] == {"parameter", "dot"} and ins["ynn_fusion.1"]["operands"] == [
+        "x.1", "w.1"]
+    assert ins["loop_multiply_fusion.4"]["called_opcodes"] == set()  # %f4 is not in the text
+    # operands printed with their shapes (the readers' first fixture): the names without the shapes
+    assert hlo_trace.hlo_instructions(HLO)["custom-call.104"]["operands"] == ["h", "w"]
+    assert hlo_trace.scope_of(head["op_name"]) == ("mtp", "bwd")
+    assert hlo_trace.scope_of(ins["custom-call.300"]["op_name"]) == ("optimizer/newton_schulz", "fwd")
+
+
+def test_profile_of_hand_written_trace_adds_up():
+    """Two steps of the ops above on one GPU stream (us): head 24,000 -> 12 ms/step, mpmd_map 31,000 -> 15.5,
+    select 9,000 -> 4.5, Newton-Schulz GEMM 4,000 + its convert 2,000 -> 3, AdamW add 1,000 -> 0.5, shared expert
+    GEMM 3,000 + the dense MLP's fused dot 400 -> 1.7, an elementwise multiply 600 -> 0.3."""
+    comp, hlo_trace = _module("components"), _module("hlo_trace")
+    durations = {"custom-call.216": 24000, "mpmd_map.18": 31000, "loop_select_fusion.3": 9000,
+                 "custom-call.300": 4000, "loop_convert_fusion.7": 2000, "loop_add_fusion.2": 1000,
+                 "custom-call.50": 3000, "ynn_fusion.1": 400, "loop_multiply_fusion.4": 600}
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}}]
+    ts = 0
+    for op, dur in durations.items():
+        kernel = "main_kernel" if op.startswith("mpmd") else "nvjet_sm90" if op.startswith("custom") else op
+        events.append(_ev(kernel, ts, dur, hlo_op=op))
+        ts += dur
+    ops = hlo_trace.device_ops(events, hlo_trace.process_names(events))
+    ms = comp.sum_by_component(ops, hlo_trace.hlo_instructions(HLO_STEP), 151552, 2, hlo_trace.scope_of)
+    assert ms == {"heads (lm_head + MTP head)": 12.0, "expert GEMMs": 15.5, "experts other": 4.5,
+                  "Newton-Schulz": 3.0, "optimizer elementwise": 0.5, "other GEMMs": pytest.approx(1.7),
+                  "other elementwise": 0.3}
+    # without its operands' shapes the head GEMM would be counted in the MTP layer (runs 3 and 4's error)
+    head = {**hlo_trace.hlo_instructions(HLO_STEP)["custom-call.216"], "name": "custom-call.216", "operand_dims": ()}
+    assert comp.classify("mtp", "bwd", head, "nvjet_sm90", 151552) == "MTP layer"
+    assert "other" not in comp.COMPONENTS and comp.COMPONENTS[-2:] == ("other GEMMs", "other elementwise")
+
+
+def test_attention_hardware_flops_by_hand():
+    """Rows [1 1 1 2 2 3] and [1 1 1 1 1 1]: documents 3, 2, 1 and 6 need 6 + 3 + 1 + 21 = 31 causal pairs, against
+    the MFU convention's 2 rows x 6^2 / 2 = 36. TINY (8 heads x 16, 3 layers + 1 MTP): 4 * 8 * 16 * 31 = 15,872
+    FLOPs per site forward, x 4 sites = 63,488; the backward twice that; without MTP 3 sites = 47,616."""
+    comp = _module("components")
+    seg = np.array([[1, 1, 1, 2, 2, 3], [1, 1, 1, 1, 1, 1]])
+    assert comp.document_lengths(seg) == [3, 2, 1, 6] and comp.causal_pairs([3, 2, 1, 6]) == 31
+    hw = comp.attention_hw_flops(TINY, 31)
+    assert hw == {"attention fwd": 63488, "attention fwd (recompute)": 63488, "attention bwd": 126976}
+    assert comp.attention_hw_flops(TINY, 31, mtp=False)["attention fwd"] == 47616
+    assert comp.head_flops_per_token(TINY) == 6 * 512 * 64 * 2 and comp.head_flops_per_token(TINY, False) == 196608
+
+
+def test_report_check_fails_on_a_row_above_the_measured_peak():
+    """Peak 800 TFLOP/s. heads: 61.023 TFLOP in 61.9 ms = 985.8 (run 4's row): above. attention fwd: 7.1468 model
+    TFLOP in 8.78 ms is 814 TFLOP/s, but its 2.687 hardware TFLOP are 306: below (the check reads the hardware
+    rate). Newton-Schulz 16.168 TFLOP in 30.19 ms = 535.5: below."""
+    comp, report = _module("components"), _module("report")
+    ms = {"attention fwd": 8.78, "heads (lm_head + MTP head)": 61.9, "Newton-Schulz": 30.19}
+    flops = {"attention fwd": 7.1468e12, "heads (lm_head + MTP head)": 61.023e12, "Newton-Schulz": 16.168e12}
+    rows = comp.table(ms, flops, 800e12, {"attention fwd": 2.687e12})
+    by = {r["component"]: r for r in rows}
+    assert by["attention fwd"]["tflops"] == pytest.approx(814.0, abs=0.1)
+    assert by["attention fwd"]["hw_tflops"] == pytest.approx(306.0, abs=0.1)
+    assert by["attention fwd"]["ideal_ms"] == pytest.approx(3.359, abs=1e-3)  # hardware FLOPs at the peak
+    lines = comp.above_peak(rows, 800.0)
+    assert len(lines) == 1 and "'heads (lm_head + MTP head)'" in lines[0] and "985.8 model TFLOP/s" in lines[0]
+    result = {"platform": "gpu", "matmul_peak": {"tflops": 650.0, "dtype": "bfloat16"},
+              "step_variants": {"matmul_peak_interleaved_tflops": 800.0}, "profile": {"components": rows},
+              "profile_default": {"note": "not profiled"}}
+    checks = report.checks(result)
+    assert [(c["ok"], c["enforced"]) for c in checks] == [(False, True)] and "800.0 TFLOP/s" in checks[0]["check"]
+    assert report.failures({**result, "checks": checks}) == [f"{checks[0]['check']}: {lines[0]}"]
+    cpu = {**result, "platform": "cpu"}
+    assert report.failures({**cpu, "checks": report.checks(cpu)}) == []  # the CPU fallback reports, never fails
+    ok = {**result, "step_variants": {"matmul_peak_interleaved_tflops": 990.0}}
+    assert report.checks(ok)[0]["ok"] and report.measured_peak_tflops(ok) == 990.0
+
+
+def test_report_of_a_gpu_result_with_both_profiles():
+    """report.md of a hand-written GPU result: the body MFU column, the probes, both component tables (the second
+    with its on - off column), the attention pairs line and a failed check naming its row."""
+    comp, report = _module("components"), _module("report")
+    rows = comp.table({"attention bwd": 39.0, "heads (lm_head + MTP head)": 61.9},
+                      {"attention bwd": 14.29e12, "heads (lm_head + MTP head)": 61.02e12}, 800e12,
+                      {"attention bwd": 5.37e12})
+    timeline = {"wall_ms_per_step": 430.0, "busy_ms_per_step": 425.0, "idle_ms_per_step": 5.0,
+                "span_idle_ms_per_step": 1.0, "kernels_per_step": 4000, "d2h_copies_per_step": 1}
+    step = {"global_batch": 8, "seq_len": 4096, "remat": "save_matmuls", "tokens_per_s": 76187.0,
+            "achieved_tflops": 306.2, "mfu_vs_datasheet_989": 0.3095, "body_mfu_vs_datasheet_989": 0.1661,
+            "step_s_median": 0.4301, "peak_memory_gib": 70.07}
+    r = {"date": "d", "device": "NVIDIA H200", "platform": "gpu", "jax": "0.11.2", "python": "3.12", "commit": "c",
+         "xla_flags_env": "", "skipped": {}, "errors": {}, "train_step": step,
+         "matmul_peak": {"tflops": 653.6, "dtype": "bfloat16"},
+         "step_variants": {"matmul_peak_interleaved_tflops": 800.0, "matmul_probes_tflops": {"8192^3 chain": 690.0,
+                                                                                             "head fwd": 800.0}},
+         "profile": {"steps": 2, "timeline": timeline, "components": rows, "by_scope": [], "by_op": [],
+                     "attention_pairs": {"documents": 160, "causal_pairs": 25_231_360,
+                                         "mfu_convention_pairs": 67_108_864, "hardware_over_convention": 0.376}},
+         "profile_default": {"variant": "default, profiled", "steps": 2, "timeline": timeline, "components": rows,
+                             "unattributed_ms_per_step": 2.5, "step_ms_on_minus_off": -50.6,
+                             "ms_on_minus_off": {"attention bwd": -50.3}}}
+    r["checks"] = report.checks(r)
+    text = report.markdown(r)
+    assert "| 30.9% | 16.6% | 430.1 |" in text and "8192^3 chain 690.0; head fwd 800.0" in text
+    assert "160 documents need 25,231,360 causal pairs, 37.6% of the MFU convention" in text
+    assert "| attention bwd | 39.00 | 14,290.0 | 366.4 | 137.7 | 6.71 | -50.30 |" in text  # 5.37e12 / 39 ms
+    assert "| heads (lm_head + MTP head) | 61.90 | 61,020.0 | 985.8 | — | 76.28 | +0.00 |" in text
+    assert "2.5 ms in kernels no HLO op names; the step, on - off: -50.6 ms" in text
+    assert text.count("- FAILED: ") == 2 and "'heads (lm_head + MTP head)': 985.8 model TFLOP/s" in text
+    assert len(report.failures(r)) == 2
+
+
+def test_default_profile_beside_the_command_buffers_off_one(monkeypatch):
+    """Where XLA rejected the option: the step's on/off difference alone (430.1 - 480.7 = -50.6 ms). Where it took
+    it: each component's ms less the command-buffers-off profile's (attention bwd 39 - 89.3 = -50.3)."""
+    profiling = _module("profiling")
+    args = types.SimpleNamespace(platform="gpu")
+    result = {"step_variants": {"default": {"step_ms_median": 430.1}, "command buffers off": {"step_ms_median": 480.7}},
+              "errors": {"command_buffers_during_profiling": "JaxRuntimeError: No such compile option"},
+              "profile": {"components": [{"component": "attention bwd", "ms_per_step": 89.3},
+                                         {"component": "heads (lm_head + MTP head)", "ms_per_step": 74.4}]}}
+    step = types.SimpleNamespace(executables={"default": None, "command buffers off": None})
+    got = profiling.profile_default_section(args, step, 800e12, result)
+    assert got["step_ms_on_minus_off"] == pytest.approx(-50.6) and "No such compile option" in got["note"]
+    monkeypatch.setattr(profiling, "profile_section", lambda *a, **k: {"components": [
+        {"component": "attention bwd", "ms_per_step": 39.0}, {"component": "heads (lm_head + MTP head)",
+                                                              "ms_per_step": 74.4}]})
+    step.executables[profiling.PROFILED_DEFAULT] = None
+    got = profiling.profile_default_section(args, step, 800e12, result)
+    assert got["ms_on_minus_off"] == pytest.approx({"attention bwd": -50.3, "heads (lm_head + MTP head)": 0.0})
+
+
+def test_newton_schulz_has_its_own_scope():
+    """muon.newton_schulz's compiled ops sit under "newton_schulz", so the profile counts them there."""
+    from glm46_jax.training import muon
+
+    comp, hlo_trace = _module("components"), _module("hlo_trace")
+    x = jnp.ones((4, 8), jnp.float32)
+    text = jax.jit(lambda x: muon.newton_schulz(x, steps=2)).lower(x).compile().as_text()
+    named = {n: i for n, i in hlo_trace.hlo_instructions(text).items()  # a parameter's op_name is its own name
+             if "/" in i["op_name"] and i["opcode"] != "parameter"}
+    assert any(i["opcode"] == "dot" or "dot" in n for n, i in named.items()), named
+    for name, ins in named.items():
+        scope, direction = hlo_trace.scope_of(ins["op_name"])
+        assert scope == "newton_schulz", (name, ins["op_name"])
+        assert comp.classify(f"optimizer/{scope}", direction, {**ins, "name": name}, "", 512) == "Newton-Schulz"
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])

@@ -4,7 +4,8 @@ Pure functions over events / text, tested on hand-written traces and HLO (tests/
   * `trace_events` / `device_ops`: the trace's complete events that name an HLO op (device streams where there are
     any, else XLA:CPU's host thunks) with self times;
   * `timeline`: GPU busy (union of device intervals) vs the step's wall time, kernel and device->host copy counts;
-  * `hlo_instructions`: instruction name -> opcode, custom-call target, op_name metadata, the shapes' dimensions;
+  * `hlo_instructions`: instruction name -> opcode, custom-call target, op_name metadata, the shapes' dimensions,
+    its operands and their shapes' dimensions (resolved through the instructions that define them);
   * `attention_calls`: the cuDNN fused-attention custom calls (jax/_src/cudnn/fused_attention_stablehlo.py's
     targets "__cudnn$fmha...") with their mask_type and whether they take a bias operand, in compiled HLO or in
     a lowered StableHLO module.
@@ -139,37 +140,70 @@ def scope_of(op_name: str) -> tuple[str, str]:
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
 _DIMS = re.compile(r"\b(?:pred|[su](?:4|8|16|32|64)|[bf]f?\d+|f8e\w+)\[([\d,]*)\]")
 
 
 def hlo_instructions(hlo_text: str) -> dict[str, dict[str, Any]]:
     """Instruction name -> {opcode, target (custom-call target or ""), op_name (metadata), dims (every dimension
-    of the result and operand shapes on its line), text (the line)} over every computation of HLO text."""
-    out = {}
+    of the shapes on its line), result_dims (its result shape's), operands (the names it reads), operand_dims (the
+    result dims of those operands' defining instructions), called_opcodes (the opcodes of the computation a fusion
+    calls), text (the line)} over every computation of HLO text. operand_dims: an op line need not print its
+    operands' shapes, so a head GEMM's vocab dimension may sit only on the line that defines its [tokens, vocab]
+    operand; called_opcodes: XLA:CPU wraps some dots in fusions (ynn_fusion.N) whose own opcode is "fusion"."""
+    out, opcodes, computation = {}, collections.defaultdict(set), ""
     for line in hlo_text.splitlines():
+        if " = " not in line and (c := _COMPUTATION.match(line)):
+            computation = c.group(1)
+            continue
         m = _INSTR.match(line)
         if not m or line.lstrip().startswith(("HloModule", "ENTRY", "%fused", "}")):
             continue
         rest = m.group(2)
-        if rest.startswith("("):  # a tuple shape: the opcode follows its matching parenthesis
-            depth = 0
-            for i, ch in enumerate(rest):
-                depth += (ch == "(") - (ch == ")")
-                if depth == 0:
-                    break
-            op = re.match(r"\s*([\w\-]+)\(", rest[i + 1:])
-        else:
-            op = re.match(r"\S+\s+([\w\-]+)\(", rest)
+        i = _closing(rest, 0) + 1 if rest.startswith("(") else 0  # a tuple shape: the opcode follows it
+        op = re.match(r"\s*([\w\-]+)\(" if i else r"\S+\s+([\w\-]+)\(", rest[i:])
         if not op:
             continue
+        args_at = i + op.end() - 1  # the opcode's "("
         target = re.search(r'custom_call_target="([^"]+)"', line)
         name = re.search(r'op_name="([^"]*)"', line)
         body = line.split("metadata=")[0]
+        opcodes[computation].add(op.group(1))
         out[m.group(1)] = {"opcode": op.group(1), "target": target.group(1) if target else "",
-                           "op_name": name.group(1) if name else "",
-                           "dims": {int(d) for s in _DIMS.findall(body) for d in s.split(",") if d},
+                           "op_name": name.group(1) if name else "", "dims": _dims(body),
+                           "result_dims": _dims(rest[:args_at]),
+                           "operands": _operands(rest[args_at + 1:_closing(rest, args_at)]),
                            "text": line.strip()}
+    for ins in out.values():
+        ins["operand_dims"] = {d for o in ins["operands"] if o in out for d in out[o]["result_dims"]}
+        calls = re.search(r"\bcalls=%?([\w.\-]+)", ins["text"].split("metadata=")[0])
+        ins["called_opcodes"] = opcodes.get(calls.group(1), set()) if calls else set()
     return out
+
+
+def _dims(text: str) -> set[int]:
+    return {int(d) for s in _DIMS.findall(text) for d in s.split(",") if d}
+
+
+def _closing(text: str, start: int) -> int:
+    """Index of the bracket that closes the one at text[start] (the end of text if none does)."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += (text[i] in "([{") - (text[i] in ")]}")
+        if depth == 0:
+            return i
+    return len(text)
+
+
+def _operands(args: str) -> list[str]:
+    """Operand names of an argument list, "bf16[8,4]{1,0} %a, %b" or "a, b": each top-level item's last word."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(args + ","):
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "," and depth == 0:
+            items.append(args[start:i].split()[-1].lstrip("%") if args[start:i].split() else "")
+            start = i + 1
+    return [x for x in items if x]
 
 
 _FMHA = re.compile(r"(__cudnn\$fmha\w*)")

@@ -11,8 +11,10 @@
 # benchmarks/gpu/step.py with the image's python3: HF transformers first (a subprocess, before JAX takes the GPU's
 # memory), then the step, its profile, the HF-equivalent row and the MoE section. result.json and report.md are
 # rewritten in $OUT after every section (a timeout still brings back what ran), with trace.json.gz, step_hlo.txt.gz,
-# hf/ and log.txt; elsewhere runs/gpu_bench. Without a GPU it runs step.py's CPU fallback (tiny preset, fp32) and
-# says so. docs/gpu.md#running-it-on-the-lent-gpu has the details.
+# profile_hlo.txt.gz (and trace_default.json.gz + profile_default_hlo.txt.gz where the default executable was
+# profiled), hf/ and log.txt; elsewhere runs/gpu_bench. It exits non-zero when a check of the report fails on a GPU
+# (an "error: check failed:" line each: e.g. a component row above the measured matmul peak). Without a GPU it
+# runs step.py's CPU fallback (tiny preset, fp32) and says so. docs/gpu.md#running-it-on-the-lent-gpu has the details.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 

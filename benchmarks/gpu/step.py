@@ -9,10 +9,12 @@ that would overrun --budget-s is skipped and says so). docs/gpu.md#what-the-gpu-
             device (JAX pre-allocates its memory until its process exits): hf_anchor.py;
   peak      the bf16 matmul peak measured on this device (8192^3);
   step      the real train step (Muon + AdamW, MTP, dropless MoE, the preset's remat, packed documents) compiled
-            twice, default XLA options and command buffers off, timed interleaved with the matmul probe;
+            with default XLA options, command buffers off and (where XLA takes the option) command buffers kept
+            under the profiler, timed interleaved with matmul probes on random data (8192^3, the lm_head's shape);
             the compiled HLO's cuDNN attention calls checked (causal, no bias operand);
   profile   steps of the command-buffers-off executable under jax.profiler: GPU busy / idle, kernels and
-            device->host copies per step, ms per model component against its FLOPs, per scope, per op;
+            device->host copies per step, ms per model component against its FLOPs, per scope, per op (profiling.py);
+  profile_default  the same of the default executable, or the step's on/off difference where XLA has no option;
   hf_equiv  our step as HF's (MTP off, AdamW, remat none, unpacked, the same tokens): the ratio to HF;
   moe       the MoE layer per implementation vs a dense FFN, checked against the loop; XLA flag sets A/B on it.
 """
@@ -26,7 +28,6 @@ import importlib.metadata
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -45,6 +46,8 @@ import hlo_trace
 import jax
 import jax.numpy as jnp
 import moe_section
+import probes
+import profiling
 import report
 
 from glm46_jax import run_config
@@ -65,7 +68,7 @@ FLAG_SETS = {
 }
 # Seconds each section may take on the GPU (compiles of the small step ~70 s each): a section whose estimate
 # would pass --budget-s is skipped.
-ESTIMATE_S = {"hf": 60, "step": 150, "profile": 40, "hf_equiv": 80, "moe": 100}
+ESTIMATE_S = {"hf": 60, "step": 170, "profile": 40, "profile_default": 30, "hf_equiv": 80, "moe": 100}
 
 
 def log(msg: str) -> None:
@@ -108,7 +111,8 @@ def parse_args(argv=None, platform: str | None = None) -> argparse.Namespace:
                    help="the Python with torch + transformers that runs hf_anchor.py")
     p.add_argument("--top", type=int, default=25, help="rows of each profile table")
     p.add_argument("--cpu", action="store_true", help="the CPU fallback even where a GPU is visible")
-    p.add_argument("--skip", default="", help="comma list of sections to skip: hf,step,profile,hf_equiv,moe")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: "
+                   "hf,step,profile,profile_default,hf_equiv,moe")
     args = p.parse_args(argv)
     # Decided before JAX starts on a device (the HF anchor must run first): a GPU is there when its device node is.
     args.platform = platform or ("gpu" if not args.cpu and os.path.exists("/dev/nvidiactl") else "cpu")
@@ -159,20 +163,14 @@ def plan(argv=None, platform: str | None = None) -> tuple[argparse.Namespace, di
 # --- sections ------------------------------------------------------------------------------------------------
 
 
-def matmul_probe(size: int, dtype: str, device, chain: int = 8):
-    """`chain` size^3 matmuls in one jitted call on `device` and their FLOPs: timed in the same rounds as the
-    variants it sits beside (a chain, so the host's launch and wait are a small part of the call). All entries are
-    1 / size, so x @ a = a: the values stay finite however long the chain."""
-    a = jax.device_put(jnp.full((size, size), 1.0 / size, dtype), device)
-    f = jax.jit(lambda a: jax.lax.fori_loop(0, chain, lambda _, x: x @ a, a))
-    jax.block_until_ready(f(a))
-    return (lambda: jax.block_until_ready(f(a))), chain * 2 * size ** 3
-
-
-def step_variants(platform: str) -> dict[str, dict[str, Any]]:
-    """The full step's option sets: default and command buffers off (the profile runs the latter). The CPU
-    fallback compiles one (XLA:CPU ignores GPU options; a second compile of the step would only cost time)."""
-    return {"default": {}, "command buffers off": CMDBUF_OFF} if platform == "gpu" else {"default": {}}
+def step_variants(platform: str, profiled_default: bool = True) -> dict[str, dict[str, Any]]:
+    """The full step's option sets: default, command buffers off (profiled) and, where this XLA takes the option,
+    the default with command buffers kept under the profiler (profiled too). The CPU fallback compiles one
+    (XLA:CPU ignores GPU options; a second compile of the step would only cost time)."""
+    if platform != "gpu":
+        return {"default": {}}
+    profiled = {profiling.PROFILED_DEFAULT: profiling.CMDBUF_PROFILING} if profiled_default else {}
+    return {"default": {}, "command buffers off": CMDBUF_OFF, **profiled}
 
 
 def moe_flag_sets(platform: str) -> dict[str, dict[str, Any]]:
@@ -181,8 +179,13 @@ def moe_flag_sets(platform: str) -> dict[str, dict[str, Any]]:
 
 
 def step_section(args, device, result, save) -> PreparedStep:
-    """The default step, compiled with default options and with command buffers off, timed interleaved."""
-    probe, probe_flops = matmul_probe(args.matmul_size, args.matmul_dtype, device)
+    """The default step compiled with each of `step_variants`' option sets, timed interleaved with matmul probes."""
+    c = run_config_for(args).model
+    calls = {f"{args.matmul_size}^3 chain": probes.matmul_probe(args.matmul_size, args.matmul_dtype, device),
+             **probes.head_probes(args.batch * args.seq_len, c.hidden_size, c.vocab_size, args.matmul_dtype, device)}
+    rejected = profiling.profiling_option_rejected(device) if args.platform == "gpu" else None
+    if rejected:
+        result["errors"]["command_buffers_during_profiling"] = rejected
     batch, times = args.batch, None
     while times is None:
         cfg = run_config_for(args, batch)
@@ -191,8 +194,9 @@ def step_section(args, device, result, save) -> PreparedStep:
             f"{getattr(cfg.model, 'moe_impl', 'loop')} (block {cfg.model.moe_block_size})")
         step = None
         try:  # out of memory when compiling or when running: half the rows, the failure kept
-            step = PreparedStep(cfg, [device], packed=args.packed, variants=step_variants(args.platform))
-            times = step.interleave(args.steps, args.warmup, extra={"matmul probe": probe})
+            step = PreparedStep(cfg, [device], packed=args.packed,
+                                variants=step_variants(args.platform, profiled_default=not rejected))
+            times = step.interleave(args.steps, args.warmup, extra={n: p for n, (p, _) in calls.items()})
         except Exception as err:
             if not is_oom(err) or batch == 1:
                 raise
@@ -201,11 +205,13 @@ def step_section(args, device, result, save) -> PreparedStep:
             gc.collect()
             batch //= 2
             log(f"  out of memory; retrying with batch {batch}")
-    peak = probe_flops / statistics.median(times.pop("matmul probe"))
+    probe_tflops = {n: f / statistics.median(times.pop(n)) / 1e12 for n, (_, f) in calls.items()}
+    peak = max(probe_tflops.values()) * 1e12
     rows = {}
     for name, t in times.items():
         r = step.result(t, name)
         r.update(mfu_vs_datasheet_989=r["achieved_tflops"] * 1e12 / DATASHEET_BF16,
+                 body_mfu_vs_datasheet_989=body_mfu(r, cfg),
                  mfu_vs_measured_matmul=r["achieved_tflops"] * 1e12 / peak, packed=args.packed,
                  attention_impl=cfg.model.attention_impl, moe_impl=getattr(cfg.model, "moe_impl", "loop"),
                  compiler_options=step.options[name])
@@ -213,13 +219,14 @@ def step_section(args, device, result, save) -> PreparedStep:
     rows["default"]["memory_stats"] = {k: v for k, v in (device.memory_stats() or {}).items()
                                        if k in ("peak_bytes_in_use", "bytes_in_use", "bytes_limit")}
     result["train_step"] = rows["default"]
-    result["step_variants"] = {"matmul_peak_interleaved_tflops": peak / 1e12,
+    result["step_variants"] = {"matmul_peak_interleaved_tflops": peak / 1e12, "matmul_probes_tflops": probe_tflops,
                                **{n: {"step_ms_median": r["step_s_median"] * 1e3, "tokens_per_s": r["tokens_per_s"],
                                       "vs_default": r["step_s_median"] / rows["default"]["step_s_median"],
                                       "compile_s": r["compile_s"], "options": r["compiler_options"]}
                                   for n, r in rows.items()}}
     s = rows["default"]
-    log(f"  {s['tokens_per_s']:,.0f} tokens/s, MFU {s['mfu_vs_datasheet_989']:.1%} of 989, peak memory "
+    log(f"  {s['tokens_per_s']:,.0f} tokens/s, MFU {s['mfu_vs_datasheet_989']:.1%} of 989 (body "
+        f"{s['body_mfu_vs_datasheet_989']:.1%}), peak memory "
         f"{s['peak_memory_gib']:.2f} GiB; " + ", ".join(f"{n}: {r['tokens_per_s']:,.0f}" for n, r in rows.items()))
     for name, executable in step.executables.items():  # did the options take? XLA outlines command buffers
         text = executable.as_text()                       # into computations named command_buffer*
@@ -232,43 +239,11 @@ def step_section(args, device, result, save) -> PreparedStep:
     return step
 
 
-def profile_section(args, step: PreparedStep, peak: float) -> dict[str, Any]:
-    """`profile_steps` steps of the command-buffers-off executable under jax.profiler (command buffers put their
-    kernels under one unscoped event)."""
-    trace_dir = os.path.join(args.out, "trace")
-    shutil.rmtree(trace_dir, ignore_errors=True)
-    variant = "command buffers off" if "command buffers off" in step.executables else "default"
-    step(variant)
-    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
-    try:
-        t0 = time.perf_counter()
-        for _ in range(args.profile_steps):
-            step(variant)
-        wall = time.perf_counter() - t0
-    finally:
-        jax.profiler.stop_trace()
-    events, processes, path = hlo_trace.trace_events(trace_dir)
-    ops = hlo_trace.device_ops(events, processes)
-    if not ops:
-        return {"error": f"the trace in {trace_dir} has no events naming an HLO op ({path or 'no trace file'})"}
-    shutil.copy(path, os.path.join(args.out, "trace.json.gz"))  # $OUT brings back files 2 folders down at most
-    shutil.rmtree(trace_dir, ignore_errors=True)  # the xplane protos: tens of MiB the device tool need not carry
-    instrs = hlo_trace.hlo_instructions(step.executables[variant].as_text())
-    steps = args.profile_steps
-    c = step.cfg.model
-    mtp = step.cfg.loss.mtp
-    ms = components.sum_by_component(ops, instrs, c.vocab_size, steps, hlo_trace.scope_of)
-    flops = components.component_flops(c, step.rows, step.seq_len, mtp=mtp,
-                                       ns_steps=step.cfg.optim.muon_ns_steps if "muon" in step.cfg.optim.algorithm
-                                       else None)
-    return {
-        "source": f"jax.profiler trace (perfetto JSON) of the {variant!r} executable; scopes from its HLO's op_name",
-        "steps": steps, "op_ms_per_step": sum(o["dur_us"] for o in ops) / 1e3 / steps,
-        "timeline": hlo_trace.timeline(hlo_trace.on_device(events, processes), steps, wall),
-        "components": components.table(ms, flops, peak),
-        "by_scope": report.top(ops, instrs, steps, args.top, by="scope"),
-        "by_op": report.top(ops, instrs, steps, args.top, by="op"),
-    }
+def body_mfu(r: dict[str, Any], cfg) -> float:
+    """MFU without the vocab heads' FLOPs (lm_head, and the MTP head where the step trains MTP), over the whole
+    step's time: the heads are 46% of `small`'s model FLOPs and run near the peak, lifting the total MFU."""
+    body = r["model_flops_per_token"] - components.head_flops_per_token(cfg.model, mtp=cfg.loss.mtp)
+    return body * r["tokens_per_s"] / DATASHEET_BF16
 
 
 def hf_equiv_section(args, device, result) -> dict[str, Any]:
@@ -276,6 +251,7 @@ def hf_equiv_section(args, device, result) -> dict[str, Any]:
     step = PreparedStep(cfg, [device], packed=False)
     r = step.result(step.interleave(args.steps, args.warmup)["default"])
     r["mfu_vs_datasheet_989"] = r["achieved_tflops"] * 1e12 / DATASHEET_BF16
+    r["body_mfu_vs_datasheet_989"] = body_mfu(r, cfg)
     hf = result.get("hf_transformers", {})
     if "tokens_per_s" in hf:
         r["vs_hf_transformers"] = r["tokens_per_s"] / hf["tokens_per_s"]
@@ -352,9 +328,12 @@ def main(argv=None) -> dict[str, Any]:
     step = section("step", step_section, args, device, result, save)
     if step is not None:
         peak = result["step_variants"]["matmul_peak_interleaved_tflops"] * 1e12
-        prof = section("profile", profile_section, args, step, peak)
+        prof = section("profile", profiling.profile_section, args, step, peak)
         if prof is not None:
             result["profile"] = prof
+        prof = section("profile_default", profiling.profile_default_section, args, step, peak, result)
+        if prof is not None:
+            result["profile_default"] = prof
         del step
         gc.collect()  # the step's state and executables leave the device before the next section's
     r = section("hf_equiv", hf_equiv_section, args, device, result)
@@ -364,7 +343,7 @@ def main(argv=None) -> dict[str, Any]:
 
     def moe():
         cfg = run_config_for(args)
-        probe, _ = matmul_probe(args.matmul_size, args.matmul_dtype, device)
+        probe, _ = probes.matmul_probe(args.matmul_size, args.matmul_dtype, device)
         rows = result.get("train_step", {}).get("global_batch", args.batch)  # the step's, if it had to halve
         return moe_section.moe_section(cfg.model, device, rows, args.seq_len, args.moe_repeats,
                                        moe_flag_sets(device.platform),
@@ -373,9 +352,12 @@ def main(argv=None) -> dict[str, Any]:
     if m is not None:
         result["moe"] = m
     result["total_s"] = time.perf_counter() - t_start
+    result["checks"] = report.checks(result)
     save()
     print(report.markdown(result), flush=True)
     log(f"wrote {args.out}/result.json, report.md in {result['total_s']:.0f} s")
+    for line in report.failures(result):
+        print(f"error: check failed: {line}", file=sys.stderr, flush=True)
     return result
 
 
@@ -394,4 +376,4 @@ def cudnn_attention_works(device) -> tuple[bool, str]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if report.failures(main()) else 0)  # run.sh ends with this script: a failed check fails the call
